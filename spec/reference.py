@@ -293,6 +293,8 @@ def dynamic_weights(x: np.ndarray, dw1: Optional[np.ndarray], qkw: Optional[np.n
     """
     out: Dict[str, Dict[str, np.ndarray]] = {s: {} for s in slot_names}
     C = len(slot_names)
+    if C == 0:  # a side with no enabled slot (e.g. key_wise=False) has no weights
+        return out
     if dw1 is not None:
         h = gelu(np.einsum("bld,dgck->blgck", x, dw1), gelu_approximate)     # (B,L,G,C,K)
         w = np.einsum("blgck,gckrm->blgcrm", h, qkw)                          # (B,L,G,C,2R,M)
