@@ -1,0 +1,139 @@
+"""Run the whole dcmha test suite: every Keras backend, each in its own process.
+
+Usage: python tools/test_all.py [--only LABEL[,LABEL...]] [--list]
+
+Keras fixes its backend at import, and TensorFlow and Triton cannot share a
+process, so the suite is a list of steps, each a separate pytest (or
+conformance) process with its own environment. The script prints each step's
+own output, then one summary row per step and the closing line
+``N passed, M failed, K skipped``; it exits non-zero if any step failed,
+errored, or collected no tests (pytest's exit code 5 is an error here: a step
+that runs nothing proves nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERAS_BACKENDS = ("jax", "torch", "tensorflow", "numpy")
+
+
+def _glob(*patterns: str) -> list:
+    files = sorted({str(p.relative_to(ROOT)) for pat in patterns for p in ROOT.glob(pat)})
+    return files
+
+
+def steps() -> list:
+    """(label, environment overrides, pytest arguments or None for the conformance CLI)."""
+    out = [("spec", {}, _glob("tests/test_reference*.py", "tests/test_conformance*.py")
+            + ["conformance"])]
+    keras_tests = _glob("tests/test_layer*.py", "tests/test_export*.py", "tests/test_models*.py",
+                        "tests/test_dispatch*.py", "tests/test_validation*.py",
+                        "tests/test_numerics*.py", "tests/test_fuzz*.py",
+                        "tests/test_checkpoints*.py", "tests/test_demo*.py",
+                        "tests/test_distribution*.py")
+    for b in KERAS_BACKENDS:
+        out.append((f"keras-{b}", {"KERAS_BACKEND": b}, keras_tests))
+    out.append(("triton-interpret", {"KERAS_BACKEND": "torch", "TRITON_INTERPRET": "1"},
+                _glob("tests/test_triton*.py")))
+    out.append(("pallas-interpret", {"KERAS_BACKEND": "jax"}, _glob("tests/test_pallas*.py")))
+    out.append(("tf-xla", {"KERAS_BACKEND": "tensorflow"}, _glob("tests/test_xla*.py")))
+    out.append(("conformance-all", {}, None))
+    return [s for s in out if s[2] is None or s[2]]
+
+
+def _junit_counts(path: Path) -> dict:
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    if not path.exists():
+        return counts
+    root = ET.parse(path).getroot()
+    for suite in root.iter("testsuite"):
+        tests = int(suite.get("tests", 0))
+        failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        skipped = int(suite.get("skipped", 0))
+        counts["passed"] += tests - failed - skipped
+        counts["failed"] += failed
+        counts["skipped"] += skipped
+    return counts
+
+
+def run_step(label: str, env_over: dict, args, tmp: Path) -> dict:
+    env = dict(os.environ, **env_over)
+    env.setdefault("PYTHONHASHSEED", "0")
+    if args is None:
+        report = tmp / f"{label}.json"
+        cmd = [sys.executable, "-m", "dcmha.conformance", "--backend", "all",
+               "--json", str(report)]
+    else:
+        report = tmp / f"{label}.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               f"--junitxml={report}", *args]
+    print(f"\n===== {label}: {' '.join(f'{k}={v}' for k, v in env_over.items())} "
+          f"{' '.join(cmd[1:])}", flush=True)
+    t0 = time.time()
+    rc = subprocess.call(cmd, cwd=ROOT, env=env)
+    elapsed = time.time() - t0
+    if args is None:
+        counts = {"passed": 0, "failed": 0, "skipped": 0}
+        if report.exists():
+            data = json.loads(report.read_text())
+            for row in data.get("results", []):
+                key = {"PASS": "passed", "FAIL": "failed", "SKIP": "skipped"}.get(row.get("result"))
+                if key:
+                    counts[key] += 1
+    else:
+        counts = _junit_counts(report)
+    status = "ok"
+    if rc == 5:
+        status = "error: collected no tests (pytest exit 5)"
+    elif rc != 0:
+        status = f"failed (exit {rc})"
+    elif counts["passed"] == 0:
+        status = "error: nothing passed"
+    return dict(label=label, rc=rc, status=status, seconds=round(elapsed, 1), **counts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="comma-separated step labels to run")
+    ap.add_argument("--list", action="store_true", help="list the steps and exit")
+    ns = ap.parse_args(argv)
+    todo = steps()
+    if ns.list:
+        for label, env, args in todo:
+            print(label, env, "conformance CLI" if args is None else " ".join(args))
+        return 0
+    if ns.only:
+        wanted = ns.only.split(",")
+        unknown = sorted(set(wanted) - {s[0] for s in todo})
+        if unknown:
+            print(f"unknown step(s) {unknown}; known: {[s[0] for s in todo]}", file=sys.stderr)
+            return 2
+        todo = [s for s in todo if s[0] in wanted]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, env, args in todo:
+            results.append(run_step(label, env, args, Path(tmp)))
+    print("\n===== summary")
+    print(f"{'step':<20} {'passed':>7} {'failed':>7} {'skipped':>8} {'seconds':>8}  status")
+    for r in results:
+        print(f"{r['label']:<20} {r['passed']:>7} {r['failed']:>7} {r['skipped']:>8} "
+              f"{r['seconds']:>8}  {r['status']}")
+    total = {k: sum(r[k] for r in results) for k in ("passed", "failed", "skipped")}
+    bad = [r for r in results if r["status"] != "ok"]
+    failed = total["failed"] + (len(bad) if total["failed"] == 0 else 0)
+    print(f"{total['passed']} passed, {failed} failed, {total['skipped']} skipped")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
