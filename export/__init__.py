@@ -1,0 +1,89 @@
+"""ONNX export of DCMHA layers and of Keras models containing them.
+
+    to_onnx(obj, path, ...)      write a DCMHA layer / Keras model as ONNX (atomically)
+    verify(path, obj, inputs)    run it in onnxruntime and compare with Keras
+    export_layer(cfg, params)    the framework-free core: one call from a spec Config
+
+Each DCMHA call is a node of an ONNX local function in the ``dcmha`` domain
+(plain-op body; see ``dcmha.export.core``). Keras is imported only by
+``to_onnx`` / ``verify``, so the core runs without it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from dcmha.export.core import (DOMAIN, FUNCTION_NAME, CallSpec, check_model, decode_names,
+                               export_layer, save_model, session)
+
+
+def to_onnx(obj, path, *, opset: Optional[int] = None, dynamic: bool = True,
+            dtype: str = "float32", decode: bool = False, self_attention: Optional[bool] = None,
+            use_causal_mask: bool = False, attention_mask: bool = False,
+            return_attention_scores: bool = False, input_shapes: Optional[dict] = None,
+            batch_size: int = 1, cache_length: Optional[int] = None):
+    """Export a built ``dcmha.DCMHA`` layer or a Keras model containing DCMHA layers to ONNX.
+
+    Args:
+        obj: a built DCMHA layer, or a functional / Sequential Keras model of
+            supported layers (see ``dcmha.export.keras_export``) and DCMHA layers
+            (a subclassed model with ``as_functional()``, e.g. DCFormerLM, too).
+        path: the .onnx file; written to a temporary file in the same directory
+            and renamed onto ``path`` only after onnx.checker (full_check)
+            passes and onnxruntime loads it with ORT_ENABLE_ALL.
+        opset: ONNX opset (default 18; 18 up to the installed onnx's newest).
+        dynamic: symbolic batch / sequence / cache axes (``batch``,
+            ``query_length``, ``key_length``, ``cache_length``; model inputs get
+            ``batch``, ``sequence_length`` and ``<input>_dim<i>``). With False,
+            shapes come from the model, ``input_shapes``, ``batch_size`` and
+            ``cache_length``.
+        dtype: "float32" or "float16". float16 stores weights and computes in
+            float16, except scores, compositions and softmax (float32, as in
+            the Keras layer) and normalisations.
+        decode: write one cached step instead of the full forward. Extra
+            inputs: ``cache_update_index`` (int64 scalar: the position of the
+            first new token) and ``past_<entry>`` for every entry of
+            ``reference.cache_shapes`` (key, value, pre_key_w1, pre_key_w2,
+            pre_key_dd, post_key_w1, ...), shape (B, S_max, ...); outputs
+            ``present_<entry>`` of the same shapes. In a model every DCMHA call
+            must be causal self-attention; the entry names get the suffix
+            ``.<layer path>``.
+        self_attention, use_causal_mask, attention_mask, return_attention_scores:
+            for a single layer only. self_attention (default: not
+            cross_attention) gives one input ``query``; otherwise ``query``,
+            ``value``, ``key``. attention_mask adds the bool input
+            ``attention_mask`` (B, T, S), True = attend. return_attention_scores
+            adds the float32 output ``attention_scores`` (B, N, T, S).
+
+    Graph names: a layer has inputs query [, value, key] [, attention_mask] and
+    outputs output [, attention_scores]; a model keeps its Keras input names and
+    has outputs ``output`` (or ``output_0``, ``output_1``, ...).
+
+    Returns the ONNX ModelProto that was written. Raises ValueError naming the
+    option, or the layer class and its place in the model, when something
+    cannot be exported; ``path`` is then left untouched.
+    """
+    from dcmha.export import keras_export
+
+    model = keras_export.build(obj, opset=opset, dynamic=dynamic, dtype=dtype, decode=decode,
+                               self_attention=self_attention, use_causal_mask=use_causal_mask,
+                               attention_mask=attention_mask,
+                               return_attention_scores=return_attention_scores,
+                               input_shapes=input_shapes, batch_size=batch_size,
+                               cache_length=cache_length)
+    save_model(model, path)
+    return model
+
+
+def verify(path, obj, inputs, **kwargs) -> dict:
+    """Run ``path`` in onnxruntime and compare with the Keras ``obj``; see ``dcmha.export.verification.verify``.
+
+    Returns {"max_abs", "max_rel", "outputs": {name: {"max_abs", "max_rel"}}}.
+    """
+    from dcmha.export.verification import verify as _verify
+
+    return _verify(path, obj, inputs, **kwargs)
+
+
+__all__ = ["to_onnx", "verify", "export_layer", "CallSpec", "save_model", "check_model", "session",
+           "decode_names", "DOMAIN", "FUNCTION_NAME"]

@@ -1,0 +1,770 @@
+"""Framework-free ONNX writer for DCMHA (NumPy + onnx only).
+
+One DCMHA call becomes one node ``dcmha.DCMHA*`` whose op is an ONNX *local
+function* in the ``dcmha`` domain: a runtime that knows DCMHA can match the
+node and fuse it, any other runtime inlines its plain-op body. The body follows
+``spec/reference.py`` step by step:
+
+    q, k, v projections (+bias) -> QK-norm -> RoPE -> dynamic weights ->
+    scores -> pre-compose -> masked softmax -> post-compose -> masked entries
+    set to 0 (all in float32, whatever the dtype, as in the Keras layer) ->
+    P.V -> output projection.
+
+Function signatures (the function's canonical weights come last, in the order
+of ``reference.param_shapes``):
+
+    forward, self-attention   (query, [attention_mask], *weights)
+    forward, general          (query, value, key, [attention_mask], *weights)
+    decode                    (query, cache_update_index, past_key, past_value,
+                               past_<slot>_<w1|w2|dd>..., [attention_mask], *weights)
+    outputs                   (output, [present_*...], [attention_scores])
+
+``ModelBuilder`` assembles graphs from such calls (plus plain ops added by a
+front-end); ``export_layer`` writes the graph of a single call, and
+``save_model`` writes atomically after ``onnx.checker`` (full_check) passes and
+onnxruntime has loaded the file with every graph optimisation on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from dcmha.spec import reference as ref
+
+DOMAIN = "dcmha"
+FUNCTION_NAME = "DCMHA"
+MIN_OPSET = 18
+DEFAULT_OPSET = 18
+DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+#: Fill value of masked scores before the float32 softmax: finite, so a fully
+#: masked row gives a finite (uniform) softmax that the final mask zeroes.
+MASK_FILL = float(np.finfo(np.float32).min)
+
+Dim = Union[int, str, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSpec:
+    """How one DCMHA call is written (everything that is baked into the graph).
+
+    self_attention: the query input is also key and value (one graph input).
+    use_causal_mask: bake the causal mask s <= t (decode is always causal).
+    attention_mask: the call takes a boolean (B, T, S) mask input, True = attend.
+    return_attention_scores: add the (B, N, T, S) post-composed, masked probabilities.
+    decode: a cached step; see ``decode_names``.
+    intermediates: add the spec's intermediates (for debugging and conformance):
+        scores, pre_composed, probs (B, N, T, S) and dynamic/<slot>/<w1|w2|dd>.
+    """
+
+    self_attention: bool = True
+    use_causal_mask: bool = False
+    attention_mask: bool = False
+    return_attention_scores: bool = False
+    decode: bool = False
+    intermediates: bool = False
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise ValueError(f"`dtype` must be one of {sorted(DTYPES)}; onnxruntime has no CPU "
+                         f"kernels for other dtypes. Received: dtype={dtype!r}")
+    return dtype
+
+
+def check_opset(opset: Optional[int]) -> int:
+    opset = DEFAULT_OPSET if opset is None else opset
+    top = onnx.defs.onnx_opset_version()
+    if not isinstance(opset, int) or isinstance(opset, bool) or not MIN_OPSET <= opset <= top:
+        raise ValueError(f"`opset` must be an integer in [{MIN_OPSET}, {top}]. "
+                         f"Received: opset={opset!r}")
+    return opset
+
+
+def check_call(cfg: ref.Config, call: CallSpec) -> None:
+    """Raise for a configuration/call combination the exporter cannot write."""
+    if call.decode:
+        if cfg.cross_attention:
+            raise ValueError("decode=True needs a self-attention layer; this layer has "
+                             "cross_attention=True (separate query/key dynamic projections).")
+        if not call.self_attention:
+            raise ValueError("decode=True needs self-attention (self_attention=True).")
+    if cfg.cross_attention and call.self_attention:
+        raise ValueError("A cross_attention=True layer takes separate query and key/value "
+                         "inputs: export it with self_attention=False.")
+
+
+def decode_names(cfg: ref.Config) -> List[str]:
+    """Cache entry names, in ``reference.cache_shapes`` order ("key", "value", "pre_key_w1", ...)."""
+    return list(ref.cache_shapes(cfg, 1, 1))
+
+
+def check_params(cfg: ref.Config, params: Mapping[str, np.ndarray]) -> Tuple[int, int, int]:
+    """The input widths (D_q, D_kv, D_out) read from the kernels; every name/shape is checked."""
+    for name in ("query_kernel", "key_kernel", "output_kernel"):
+        if name not in params:
+            raise ValueError(f"DCMHA parameters lack `{name}`. Received names: {sorted(params)}")
+    D_q = int(np.shape(params["query_kernel"])[0])
+    D_kv = int(np.shape(params["key_kernel"])[0])
+    D_out = int(np.shape(params["output_kernel"])[-1])
+    want = ref.param_shapes(cfg, D_q, D_kv, D_out)
+    if set(want) != set(params):
+        raise ValueError("DCMHA parameter names do not match the configuration. Missing: "
+                         f"{sorted(set(want) - set(params))}; unexpected: "
+                         f"{sorted(set(params) - set(want))}")
+    for name, shape in want.items():
+        if tuple(np.shape(params[name])) != tuple(shape):
+            raise ValueError(f"DCMHA parameter `{name}` must have shape {tuple(shape)}. "
+                             f"Received: {tuple(np.shape(params[name]))}")
+    return D_q, D_kv, D_out
+
+
+# ---------------------------------------------------------------------------
+# A small node emitter
+# ---------------------------------------------------------------------------
+
+class Emitter:
+    """Appends nodes with fresh value names; constants are Constant nodes so the
+    same code writes function bodies (which cannot hold initializers) and graphs."""
+
+    def __init__(self, prefix: str = ""):
+        self.prefix = prefix
+        self.nodes: List[onnx.NodeProto] = []
+        self._count = 0
+
+    def fresh(self, hint: str) -> str:
+        self._count += 1
+        return f"{self.prefix}{hint}_{self._count}"
+
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", **attrs):
+        outs = [self.fresh(op_type) for _ in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.fresh("n_" + op_type),
+                                           domain=domain, **attrs))
+        return outs[0] if outputs == 1 else outs
+
+    def const(self, value, dtype) -> str:
+        arr = np.asarray(value, dtype=helper.tensor_dtype_to_np_dtype(dtype))
+        out = self.fresh("c")
+        self.nodes.append(helper.make_node("Constant", [], [out], name=self.fresh("n_Constant"),
+                                           value=numpy_helper.from_array(arr, out)))
+        return out
+
+    def i64(self, *values) -> str:
+        return self.const(np.array(values, np.int64), TensorProto.INT64)
+
+    def cast(self, x: str, src: int, dst: int) -> str:
+        return x if src == dst else self.op("Cast", x, to=dst)
+
+    def reshape(self, x: str, *shape) -> str:
+        """Reshape to ints; 0 copies the input's dim at the same index."""
+        return self.op("Reshape", x, self.i64(*shape))
+
+    def dims(self, x: str, start: int, end: int) -> str:
+        """The 1-D int64 tensor Shape(x)[start:end]."""
+        return self.op("Shape", x, start=start, end=end)
+
+    def scalar_dim(self, x: str, axis: int) -> str:
+        return self.op("Squeeze", self.dims(x, axis, axis + 1), self.i64(0))
+
+
+# ---------------------------------------------------------------------------
+# The DCMHA function body
+# ---------------------------------------------------------------------------
+
+def function_inputs(cfg: ref.Config, call: CallSpec, weight_names: Sequence[str]) -> List[str]:
+    ins = ["query"]
+    if call.decode:
+        ins += ["cache_update_index"] + ["past_" + n for n in decode_names(cfg)]
+    elif not call.self_attention:
+        ins += ["value", "key"]
+    if call.attention_mask:
+        ins.append("attention_mask")
+    return ins + list(weight_names)
+
+
+def function_outputs(cfg: ref.Config, call: CallSpec) -> List[str]:
+    outs = ["output"]
+    if call.decode:
+        outs += ["present_" + n for n in decode_names(cfg)]
+    if call.return_attention_scores:
+        outs.append("attention_scores")
+    if call.intermediates:
+        outs += intermediate_names(cfg)
+    return outs
+
+
+def intermediate_names(cfg: ref.Config) -> List[str]:
+    names = ["scores", "pre_composed", "probs"]
+    kinds = (["w1", "w2"] if cfg.dynamic_projection else []) + (["dd"] if cfg.dynamic_gating else [])
+    return names + [f"dynamic/{s}/{w}" for s in ref.slots(cfg) for w in kinds]
+
+
+class _Body:
+    def __init__(self, cfg: ref.Config, call: CallSpec, dtype: str, widths: Tuple[int, int, int],
+                 weights: Sequence[str]):
+        self.cfg, self.call = cfg, call
+        self.ft = DTYPES[dtype]
+        self.D_q, self.D_kv, self.D_out = widths
+        self.e = Emitter()
+        self.w = {n: n for n in weights}
+
+    # -- elementwise pieces ------------------------------------------------
+    def c(self, value, dtype=None):
+        return self.e.const(value, self.ft if dtype is None else dtype)
+
+    def gelu(self, x):
+        e = self.e
+        if self.cfg.gelu_approximate:
+            # 0.5 x (1 + tanh(u)) == x / (1 + exp(-2u)): onnxruntime's Exp is accurate to
+            # ~1 ulp while its Tanh is ~4 ulp, which the RMS-normalised w1 amplifies.
+            x3 = e.op("Mul", e.op("Mul", x, x), x)
+            u2 = e.op("Mul", e.op("Add", x, e.op("Mul", x3, self.c(0.044715))),
+                      self.c(-2.0 * math.sqrt(2.0 / math.pi)))
+            return e.op("Div", x, e.op("Add", e.op("Exp", u2), self.c(1.0)))
+        t = e.op("Erf", e.op("Mul", x, self.c(1.0 / math.sqrt(2.0))))
+        return e.op("Mul", e.op("Mul", x, self.c(0.5)), e.op("Add", t, self.c(1.0)))
+
+    def rms(self, x, eps):
+        """x / sqrt(mean(x**2, -1) + eps), in float32 (x**2 may overflow float16)."""
+        e, F = self.e, TensorProto.FLOAT
+        x32 = e.cast(x, self.ft, F)
+        ms = e.op("ReduceMean", e.op("Mul", x32, x32), e.i64(-1), keepdims=1)
+        y = e.op("Div", x32, e.op("Sqrt", e.op("Add", ms, self.c(eps, F))))
+        return e.cast(y, F, self.ft)
+
+    def rope(self, x, positions):
+        """Rotate-half RoPE of x (B, L, H, d) at int64 positions (L,); angles in float64."""
+        e, cfg = self.e, self.cfg
+        d = cfg.d
+        half = d // 2
+        inv_freq = cfg.rope_max_wavelength ** (-np.arange(half, dtype=np.float64) * 2.0 / d)
+        pos = e.op("Unsqueeze", e.op("Cast", positions, to=TensorProto.DOUBLE), e.i64(1))
+        angle = e.op("Mul", pos, self.c(inv_freq[None, :], TensorProto.DOUBLE))       # (L, d/2)
+        cos = e.op("Unsqueeze", e.op("Cast", e.op("Cos", angle), to=self.ft), e.i64(1))  # (L,1,d/2)
+        sin = e.op("Unsqueeze", e.op("Cast", e.op("Sin", angle), to=self.ft), e.i64(1))
+        x1 = e.op("Slice", x, e.i64(0), e.i64(half), e.i64(-1))
+        x2 = e.op("Slice", x, e.i64(half), e.i64(d), e.i64(-1))
+        return e.op("Concat", e.op("Sub", e.op("Mul", x1, cos), e.op("Mul", x2, sin)),
+                    e.op("Add", e.op("Mul", x2, cos), e.op("Mul", x1, sin)), axis=-1)
+
+    # -- projections -------------------------------------------------------
+    def project(self, x, kernel, bias, D, H, hd):
+        e = self.e
+        y = e.op("MatMul", x, e.reshape(kernel, D, H * hd))
+        if bias is not None:
+            y = e.op("Add", y, e.reshape(bias, H * hd))
+        return e.reshape(y, 0, 0, H, hd)                                     # (B, L, H, hd)
+
+    def dynamic(self, x, D, prefix, names, pick=None):
+        """Dynamic weights of slots ``names`` from x (B, L, D): {slot: {"w1","w2","dd"}}.
+
+        ``pick`` selects (by index) a subset of the projection's C slots, for a
+        self-attention layer whose query and key inputs are different tensors.
+        """
+        e, cfg = self.e, self.cfg
+        G, M, R, K = cfg.G, cfg.M, cfg.R, cfg.K
+        C = len(names) if pick is None else len(ref.slots(cfg))
+        out = {s: {} for s in names}
+        if not names:
+            return out
+        sel = e.i64(*pick) if pick is not None else None
+        Cs = len(names)
+        if cfg.dynamic_projection:
+            dw1, qkw = self.w[prefix + "dw1"], self.w[prefix + "qkw"]
+            if sel is not None:
+                dw1 = e.op("Gather", dw1, sel, axis=2)
+                qkw = e.op("Gather", qkw, sel, axis=1)
+            h = self.gelu(e.op("MatMul", x, e.reshape(dw1, D, G * Cs * K)))  # (B, L, G*C*K)
+            h = e.reshape(h, 0, 0, G, Cs, 1, K)
+            w = e.op("MatMul", h, e.reshape(qkw, G, Cs, K, 2 * R * M))      # (B, L, G, C, 1, 2RM)
+            w = e.reshape(w, 0, 0, G, Cs, 2 * R, M)
+            w1 = self.rms(e.op("Slice", w, e.i64(0), e.i64(R), e.i64(4)), ref.W1_NORM_EPS)
+            w2 = e.op("Slice", w, e.i64(R), e.i64(2 * R), e.i64(4))
+            for c, s in enumerate(names):
+                out[s]["w1"] = e.op("Gather", w1, e.const(c, TensorProto.INT64), axis=3)
+                out[s]["w2"] = e.op("Gather", w2, e.const(c, TensorProto.INT64), axis=3)
+        if cfg.dynamic_gating:
+            dd = self.w[prefix + "dd"]
+            if sel is not None:
+                dd = e.reshape(e.op("Gather", e.reshape(dd, D, G, C, M), sel, axis=2), D, G * Cs * M)
+            g = e.op("Tanh", e.op("MatMul", x, e.reshape(dd, D, G * Cs * M)))
+            g = e.reshape(g, 0, 0, G, Cs, M)
+            for c, s in enumerate(names):
+                out[s]["dd"] = e.op("Gather", g, e.const(c, TensorProto.INT64), axis=3)
+        return out
+
+    # -- compose -----------------------------------------------------------
+    # Compose works on x in the layout (B, G, T, M, S). Per query position t
+    # the query-side terms and the residual form one (M, M) matrix per group,
+    #     Wq_t^T = I + static^T + qw2_t^T qw1_t + diag(qdd_t),
+    # applied to the (M, S) slices by one batched MatMul; per key position s
+    # the key-side terms form Wk_s = kw1_s^T kw2_s + diag(kdd_s), applied to
+    # the (T, M) slices of the (B, G, S, T, M) view. This is reference.compose
+    # in merged form (every term reads the input). The (T*M, S) <-> (S, T*M)
+    # switch is written as a 2-D transpose between reshapes: onnxruntime
+    # transposes that fast, and the reshapes stop its transpose optimiser
+    # from fusing it with neighbours into a (T, M, S) -> (S, M, T) transpose,
+    # which is ~30x slower. (Einsums were ~7x slower than all this.)
+
+    def _merged(self, w1, w2, dd, static, residual, transposed):
+        """(B, G, L, M, M) matrices [I] + [static] + w1^T w2 + diag(dd), or their transpose.
+
+        w1, w2: (B, L, G, R, M); dd: (B, L, G, M); static: (G, M, M). None if empty.
+        """
+        e, F, M = self.e, TensorProto.FLOAT, self.cfg.M
+        cast = lambda t: e.cast(t, self.ft, F)
+        W = None
+        if w1 is not None:
+            left, right = (w2, w1) if transposed else (w1, w2)
+            W = e.op("MatMul", e.op("Transpose", cast(left), perm=[0, 2, 1, 4, 3]),    # (B,G,L,M,R)
+                     e.op("Transpose", cast(right), perm=[0, 2, 1, 3, 4]))              # (B,G,L,R,M)
+        diag = None
+        if dd is not None:
+            diag = e.op("Transpose", cast(dd), perm=[0, 2, 1, 3])           # (B, G, L, M)
+        if residual:
+            diag = self.c(np.ones(M), F) if diag is None else e.op("Add", diag, self.c(1.0, F))
+        if diag is not None:
+            dmat = e.op("Mul", e.op("Unsqueeze", diag, e.i64(-1)), self.c(np.eye(M), F))
+            W = dmat if W is None else e.op("Add", W, dmat)
+        if static is not None:   # (G, M, M) -> (G, 1, M, M), shared by every position
+            st = cast(static)
+            if transposed:
+                st = e.op("Transpose", st, perm=[0, 2, 1])
+            st = e.op("Unsqueeze", st, e.i64(1))
+            W = st if W is None else e.op("Add", W, st)
+        return W
+
+    def compose(self, x, stage, qdyn, kdyn, shapes):
+        """Compose x (B, G, T, M, S), float32, within each group (see reference.compose).
+
+        shapes: int64 shape tensors "gtms" (B, G, T, M, S), "g_tm_s" (B, G, T*M, S),
+        "g_s_tm" (B, G, S, T*M), "gstm" (B, G, S, T, M).
+        """
+        e, cfg = self.e, self.cfg
+        q = qdyn.get(stage + "_query", {})
+        k = kdyn.get(stage + "_key", {})
+        static = self.w["static_" + stage] if cfg.static_compose else None
+        if q or static is not None:
+            Wq_t = self._merged(q.get("w1"), q.get("w2"), q.get("dd"), static, True, True)
+            out = e.op("MatMul", Wq_t, x)
+        else:   # the residual alone
+            out = x
+        Wk = self._merged(k.get("w1"), k.get("w2"), k.get("dd"), None, False, False)
+        if Wk is not None:
+            xs = e.op("Transpose", e.op("Reshape", x, shapes["g_tm_s"]), perm=[0, 1, 3, 2])
+            ks = e.op("MatMul", e.op("Reshape", xs, shapes["gstm"]), Wk)       # (B, G, S, T, M)
+            ks = e.op("Transpose", e.op("Reshape", ks, shapes["g_s_tm"]), perm=[0, 1, 3, 2])
+            out = e.op("Add", out, e.op("Reshape", ks, shapes["gtms"]))
+        return out
+
+    # -- the call ----------------------------------------------------------
+    def build(self) -> Dict[str, str]:
+        """Every value the function may output, by name (see function_outputs)."""
+        e, cfg, call, ft = self.e, self.cfg, self.call, self.ft
+        F = TensorProto.FLOAT
+        N, N_kv, d, d_v, G, M = cfg.N, cfg.N_kv, cfg.d, cfg.d_v, cfg.G, cfg.M
+        w = self.w
+        query = "query"
+        key = value = query
+        if not call.self_attention and not call.decode:
+            key, value = "key", "value"
+        q = self.project(query, w["query_kernel"], w.get("query_bias"), self.D_q, N, d)
+        k = self.project(key, w["key_kernel"], w.get("key_bias"), self.D_kv, N_kv, d)
+        v = self.project(value, w["value_kernel"], w.get("value_bias"), self.D_kv, N_kv, d_v)
+        if cfg.qk_norm:
+            q = e.op("Mul", self.rms(q, ref.QK_NORM_EPS), w["query_norm_scale"])
+            k = e.op("Mul", self.rms(k, ref.QK_NORM_EPS), w["key_norm_scale"])
+        T = e.scalar_dim(query, 1)
+        one = e.const(1, TensorProto.INT64)
+        if call.decode:
+            index = "cache_update_index"
+            q_pos = e.op("Range", index, e.op("Add", index, T), one)
+            k_pos = q_pos
+        else:
+            q_pos = e.op("Range", e.const(0, TensorProto.INT64), T, one)
+            k_pos = q_pos if key == query else e.op(
+                "Range", e.const(0, TensorProto.INT64), e.scalar_dim(key, 1), one)
+        if cfg.rope_max_wavelength is not None:
+            q = self.rope(q, q_pos)
+            k = self.rope(k, k_pos)
+
+        # dynamic composition weights
+        qs, ks, all_slots = ref.side_slots(cfg, "query"), ref.side_slots(cfg, "key"), ref.slots(cfg)
+        if cfg.cross_attention:
+            qdyn = self.dynamic(query, self.D_q, "query_", qs)
+            kdyn = self.dynamic(key, self.D_kv, "key_", ks)
+        elif key == query:
+            both = self.dynamic(query, self.D_q, "", all_slots)
+            qdyn = {s: both[s] for s in qs}
+            kdyn = {s: both[s] for s in ks}
+        else:
+            qdyn = self.dynamic(query, self.D_q, "", qs, [all_slots.index(s) for s in qs])
+            kdyn = self.dynamic(key, self.D_kv, "", ks, [all_slots.index(s) for s in ks])
+
+        outputs: Dict[str, str] = {}
+        if call.decode:
+            # write the new positions into the cache: past[:, :i] ++ new ++ past[:, i+T:]
+            start = e.op("Unsqueeze", "cache_update_index", e.i64(0))
+            stop = e.op("Add", start, e.op("Unsqueeze", T, e.i64(0)))
+            big = e.i64(np.iinfo(np.int64).max)
+
+            def write(name, new):
+                past = "past_" + name
+                head = e.op("Slice", past, e.i64(0), start, e.i64(1))
+                tail = e.op("Slice", past, stop, big, e.i64(1))
+                outputs["present_" + name] = e.op("Concat", head, new, tail, axis=1)
+                return outputs["present_" + name]
+
+            k = write("key", k)
+            v = write("value", v)
+            kdyn = {s: {n: write(f"{s}_{n}", t) for n, t in ws.items()} for s, ws in kdyn.items()}
+        S_len = e.scalar_dim(k, 1)
+
+        # mask (T, S) or (B, T, S), True = attend; None when nothing is masked
+        mask = None
+        causal = call.use_causal_mask or call.decode
+        if causal or cfg.sliding_window is not None:
+            t = e.op("Unsqueeze", q_pos, e.i64(1))                                   # (T, 1)
+            s = e.op("Unsqueeze", e.op("Range", e.const(0, TensorProto.INT64), S_len, one), e.i64(0))
+            if causal:
+                mask = e.op("LessOrEqual", s, t)
+            if cfg.sliding_window is not None:
+                band = e.op("Less", e.op("Abs", e.op("Sub", t, s)),
+                            e.const(cfg.sliding_window, TensorProto.INT64))
+                mask = band if mask is None else e.op("And", mask, band)
+        if call.attention_mask:
+            mask = "attention_mask" if mask is None else e.op("And", "attention_mask", mask)
+
+        # scores in float32. GQA: query head h reads kv head h // rep; the query heads are
+        # grouped as (N_kv, rep) so that MatMul broadcasts k and v instead of copying them.
+        rep = N // N_kv
+        q32 = e.cast(e.op("Transpose", q, perm=[0, 2, 1, 3]), ft, F)                 # (B, N, T, d)
+        k32 = e.cast(e.op("Transpose", k, perm=[0, 2, 3, 1]), ft, F)                 # (B, N_kv, d, S)
+        if rep == 1:
+            a = e.op("MatMul", q32, k32)                                             # (B, N, T, S)
+        else:
+            a = e.op("MatMul", e.reshape(q32, 0, N_kv, rep, -1, d),
+                     e.op("Unsqueeze", k32, e.i64(2)))                               # (B, N_kv, rep, T, S)
+            a = e.op("Reshape", a, e.op("Concat", e.dims(a, 0, 1), e.i64(N), e.dims(a, 3, 5), axis=0))
+        a = e.op("Mul", a, self.c(1.0 / math.sqrt(d), F))                            # (B, N, T, S)
+        outputs["scores"] = a
+        bnts = e.op("Shape", a)
+        composing = cfg.pre_compose or cfg.post_compose
+
+        shapes = {}
+        if composing:
+            B1, TS = e.dims(a, 0, 1), e.dims(a, 2, 4)
+            T1, S1 = e.dims(a, 2, 3), e.dims(a, 3, 4)
+            TM = e.op("Mul", T1, e.i64(M))
+            shapes = {"gmts": e.op("Concat", B1, e.i64(G, M), TS, axis=0),
+                      "gtms": e.op("Concat", B1, e.i64(G), T1, e.i64(M), S1, axis=0),
+                      "g_tm_s": e.op("Concat", B1, e.i64(G), TM, S1, axis=0),
+                      "g_s_tm": e.op("Concat", B1, e.i64(G), S1, TM, axis=0),
+                      "gstm": e.op("Concat", B1, e.i64(G), S1, T1, e.i64(M), axis=0)}
+
+        def to_gtms(t):   # (B, N, T, S) -> (B, G, T, M, S)
+            return e.op("Transpose", e.op("Reshape", t, shapes["gmts"]), perm=[0, 1, 3, 2, 4])
+
+        def to_bnts(t):   # (B, G, T, M, S) -> (B, N, T, S)
+            return e.op("Reshape", e.op("Transpose", t, perm=[0, 1, 3, 2, 4]), bnts) if composing else t
+
+        zero = self.c(0.0, F)
+        mask_b = None
+        if mask is not None:   # (T, S) or (B, T, S) -> (B|1, 1, T, 1, S) or (B|1, 1, T, S)
+            if not call.attention_mask:
+                mask = e.op("Unsqueeze", mask, e.i64(0))
+            mask_b = e.op("Unsqueeze", mask, e.i64(1, 3) if composing else e.i64(1))
+        if composing:
+            a = to_gtms(a)
+        if cfg.pre_compose:
+            a = self.compose(a, "pre", qdyn, kdyn, shapes)
+        if call.intermediates:
+            outputs["pre_composed"] = to_bnts(a)
+        if mask_b is not None:
+            a = e.op("Where", mask_b, a, self.c(MASK_FILL, F))
+        p = e.op("Softmax", a, axis=-1)
+        if call.intermediates:
+            outputs["probs"] = to_bnts(p if mask_b is None else e.op("Where", mask_b, p, zero))
+        if cfg.post_compose:
+            p = self.compose(p, "post", qdyn, kdyn, shapes)
+        if mask_b is not None:
+            # masked entries (and fully masked rows, whose softmax is uniform) become exactly 0
+            p = e.op("Where", mask_b, p, zero)
+        p = to_bnts(p)                                                               # (B, N, T, S)
+        # the probabilities leave float32 only for P.V (as in the Keras layer)
+        vh = e.op("Transpose", v, perm=[0, 2, 1, 3])                                  # (B, N_kv, S, d_v)
+        pc = e.cast(p, F, ft)
+        if rep == 1:
+            o = e.op("MatMul", pc, vh)                                               # (B, N, T, d_v)
+        else:
+            p5 = e.op("Reshape", pc, e.op("Concat", e.dims(pc, 0, 1), e.i64(N_kv, rep),
+                                          e.dims(pc, 2, 4), axis=0))
+            o = e.reshape(e.op("MatMul", p5, e.op("Unsqueeze", vh, e.i64(2))), 0, N, -1, d_v)
+        o = e.op("Transpose", o, perm=[0, 2, 1, 3])                                  # (B, T, N, d_v)
+        y = e.op("MatMul", e.reshape(o, 0, 0, N * d_v), e.reshape(w["output_kernel"], N * d_v, self.D_out))
+        if cfg.use_bias:
+            y = e.op("Add", y, w["output_bias"])
+        outputs["output"] = y
+        outputs["attention_scores"] = p
+        for side in (qdyn, kdyn):
+            for slot, ws in side.items():
+                outputs.update({f"dynamic/{slot}/{n}": t for n, t in ws.items()})
+        return outputs
+
+
+def make_function(cfg: ref.Config, widths: Tuple[int, int, int], call: CallSpec, *,
+                  dtype: str = "float32", opset: Optional[int] = None,
+                  name: str = FUNCTION_NAME) -> onnx.FunctionProto:
+    """The ONNX local function ``dcmha.<name>`` for one DCMHA configuration and call.
+
+    widths: (D_q, D_kv, D_out). Inputs/outputs: see ``function_inputs`` /
+    ``function_outputs``; the configuration is stored as JSON in doc_string.
+    """
+    cfg = cfg.validate()
+    check_call(cfg, call)
+    dtype, opset = check_dtype(dtype), check_opset(opset)
+    weights = list(ref.param_shapes(cfg, *widths))
+    body = _Body(cfg, call, dtype, widths, weights)
+    produced = body.build()
+    outs = function_outputs(cfg, call)
+    nodes = list(body.e.nodes)
+    for o in outs:   # bind the internal names to the declared output names
+        nodes.append(helper.make_node("Identity", [produced[o]], [o], name="out_" + o))
+    doc = json.dumps({"config": cfg.to_dict(), "widths": list(widths), "dtype": dtype,
+                      "call": dataclasses.asdict(call)}, sort_keys=True)
+    return helper.make_function(DOMAIN, name, function_inputs(cfg, call, weights), outs, nodes,
+                                [helper.make_opsetid("", opset)], doc_string=doc)
+
+
+# ---------------------------------------------------------------------------
+# Graph assembly
+# ---------------------------------------------------------------------------
+
+class ModelBuilder:
+    """Collects graph inputs, initializers, nodes and DCMHA functions into a ModelProto."""
+
+    def __init__(self, *, dtype: str = "float32", opset: Optional[int] = None, name: str = "dcmha"):
+        self.dtype = check_dtype(dtype)
+        self.ft = DTYPES[dtype]
+        self.np_dtype = NP_DTYPES[dtype]
+        self.opset = check_opset(opset)
+        self.name = name
+        self.e = Emitter()
+        self.inputs: List[onnx.ValueInfoProto] = []
+        self.outputs: List[onnx.ValueInfoProto] = []
+        self.initializers: List[onnx.TensorProto] = []
+        self.functions: Dict[str, onnx.FunctionProto] = {}
+        self._function_keys: Dict[str, str] = {}
+        self.metadata: Dict[str, str] = {}
+        self._names: set = set()
+
+    def _claim(self, name: str) -> str:
+        if name in self._names:
+            raise ValueError(f"Duplicate ONNX value name {name!r}.")
+        self._names.add(name)
+        return name
+
+    def add_input(self, name: str, elem_type: int, shape: Sequence[Dim]) -> str:
+        self.inputs.append(helper.make_tensor_value_info(self._claim(name), elem_type, list(shape)))
+        return name
+
+    def add_output(self, value: str, name: str, elem_type: int, shape: Optional[Sequence[Dim]]) -> str:
+        if value != name:
+            self.e.nodes.append(helper.make_node("Identity", [value], [self._claim(name)],
+                                                 name=self.e.fresh("n_out")))
+        self.outputs.append(helper.make_tensor_value_info(
+            name, elem_type, None if shape is None else list(shape)))
+        return name
+
+    def add_initializer(self, name: str, array: np.ndarray, dtype=None) -> str:
+        arr = np.asarray(array, dtype=self.np_dtype if dtype is None else dtype)
+        self.initializers.append(numpy_helper.from_array(arr, self._claim(name)))
+        return name
+
+    def function_for(self, cfg: ref.Config, widths, call: CallSpec) -> str:
+        """The (shared) function name for this configuration and call."""
+        key = json.dumps([cfg.to_dict(), list(widths), dataclasses.asdict(call)], sort_keys=True)
+        if key not in self._function_keys:
+            n = len(self._function_keys)
+            fname = FUNCTION_NAME if n == 0 else f"{FUNCTION_NAME}_{n + 1}"
+            self.functions[fname] = make_function(cfg, widths, call, dtype=self.dtype,
+                                                  opset=self.opset, name=fname)
+            self._function_keys[key] = fname
+        return self._function_keys[key]
+
+    def add_dcmha(self, cfg: ref.Config, params: Mapping[str, np.ndarray], call: CallSpec, *,
+                  query: str, value: Optional[str] = None, key: Optional[str] = None,
+                  attention_mask: Optional[str] = None, cache_update_index: Optional[str] = None,
+                  past: Optional[Mapping[str, str]] = None, prefix: str = "",
+                  name: str = "dcmha") -> Dict[str, str]:
+        """Add one DCMHA call; returns {"output", "attention_scores"?, "present_<entry>"...}.
+
+        Weights become initializers named ``prefix + canonical name``. ``past``
+        maps cache entry names (``decode_names``) to graph values.
+        """
+        cfg = cfg.validate()
+        widths = check_params(cfg, params)
+        check_call(cfg, call)
+        fname = self.function_for(cfg, widths, call)
+        self.metadata[f"dcmha.layer.{name}"] = json.dumps(
+            {"function": fname, "config": cfg.to_dict(), "widths": list(widths),
+             "call": dataclasses.asdict(call), "weight_prefix": prefix}, sort_keys=True)
+        weights = [self.add_initializer(prefix + n, params[n]) for n in ref.param_shapes(cfg, *widths)]
+        args = [query]
+        if call.decode:
+            past = past or {}
+            missing = [n for n in decode_names(cfg) if n not in past]
+            if missing or cache_update_index is None:
+                raise ValueError(f"A decode call needs cache_update_index and past entries "
+                                 f"{decode_names(cfg)}; missing: {missing}")
+            args += [cache_update_index] + [past[n] for n in decode_names(cfg)]
+        elif not call.self_attention:
+            if value is None:
+                raise ValueError("A call with self_attention=False needs a `value` input.")
+            args += [value, key if key is not None else value]
+        if call.attention_mask:
+            if attention_mask is None:
+                raise ValueError("CallSpec.attention_mask=True needs an `attention_mask` input.")
+            args.append(attention_mask)
+        args += weights
+        outs = function_outputs(cfg, call)
+        out_names = [self.e.fresh(f"{prefix}{o}") for o in outs]
+        self.e.nodes.append(helper.make_node(fname, args, out_names, name=name, domain=DOMAIN))
+        return dict(zip(outs, out_names))
+
+    def build(self, doc: str = "") -> onnx.ModelProto:
+        opsets = [helper.make_opsetid("", self.opset), helper.make_opsetid(DOMAIN, 1)]
+        graph = helper.make_graph(self.e.nodes, self.name, self.inputs, self.outputs,
+                                  initializer=self.initializers)
+        model = helper.make_model(graph, opset_imports=opsets, functions=list(self.functions.values()),
+                                  producer_name="dcmha.export", doc_string=doc)
+        # the smallest IR version that has this opset (local functions need IR >= 8)
+        model.ir_version = max(8, helper.find_min_ir_version_for(opsets[:1], ignore_unknown=True))
+        meta = dict(self.metadata)
+        meta["dcmha.dtype"] = self.dtype
+        meta["dcmha.spec_version"] = ref.SPEC_VERSION
+        helper.set_model_props(model, meta)
+        return model
+
+
+def layer_dims(dynamic: bool, dims: Optional[Mapping[str, int]] = None) -> Dict[str, Dim]:
+    """Symbolic (dynamic=True) or concrete axis sizes of a single-call graph."""
+    names = ("batch", "query_length", "key_length", "cache_length")
+    if dynamic:
+        return {n: n for n in names}
+    dims = dict(dims or {})
+    return {n: dims.get(n) for n in names}
+
+
+def export_layer(cfg: ref.Config, params: Mapping[str, np.ndarray], call: CallSpec = CallSpec(), *,
+                 dtype: str = "float32", opset: Optional[int] = None, dynamic: bool = True,
+                 dims: Optional[Mapping[str, int]] = None) -> onnx.ModelProto:
+    """The ONNX graph of one DCMHA call from the spec's Config and canonical params.
+
+    Graph inputs:  query (B, T, D_q); value, key (B, S, D_kv) unless self-attention;
+                   decode: cache_update_index (int64 scalar), past_key (B, S_max, N_kv, d),
+                   past_value (B, S_max, N_kv, d_v), past_<slot>_w1/_w2 (B, S_max, G, R, M),
+                   past_<slot>_dd (B, S_max, G, M); attention_mask (B, T, S) bool if requested.
+    Graph outputs: output (B, T, D_out); decode: present_* (same shapes as past_*);
+                   attention_scores (B, N, T, S), float32, if requested.
+    Every float input/output but attention_scores has the compute ``dtype``.
+    With dynamic=False, ``dims`` gives batch, query_length, key_length / cache_length.
+    """
+    cfg = cfg.validate()
+    D_q, D_kv, D_out = check_params(cfg, params)
+    check_call(cfg, call)
+    b = ModelBuilder(dtype=dtype, opset=opset)
+    dm = layer_dims(dynamic, dims)
+    B, T = dm["batch"], dm["query_length"]
+    S = dm["cache_length"] if call.decode else (T if call.self_attention else dm["key_length"])
+    if not dynamic:
+        need = {"batch": B, "query_length": T}
+        if call.decode or not call.self_attention:
+            need["cache_length" if call.decode else "key_length"] = S
+        missing = [k for k, v in need.items() if v is None]
+        if missing:
+            raise ValueError(f"dynamic=False needs concrete sizes for {missing}. Received: dims={dims}")
+    ft = b.ft
+    q = b.add_input("query", ft, [B, T, D_q])
+    value = key = None
+    past = None
+    index = None
+    if call.decode:
+        index = b.add_input("cache_update_index", TensorProto.INT64, [])
+        shapes = ref.cache_shapes(cfg, 1, 1)
+        past = {n: b.add_input("past_" + n, ft, [B, S] + list(shapes[n][2:])) for n in decode_names(cfg)}
+    elif not call.self_attention:
+        value = b.add_input("value", ft, [B, S, D_kv])
+        key = b.add_input("key", ft, [B, S, D_kv])
+    mask = b.add_input("attention_mask", TensorProto.BOOL, [B, T, S]) if call.attention_mask else None
+    outs = b.add_dcmha(cfg, params, call, query=q, value=value, key=key, attention_mask=mask,
+                       cache_update_index=index, past=past, prefix="dcmha/", name="dcmha")
+    b.add_output(outs["output"], "output", ft, [B, T, D_out])
+    if call.decode:
+        shapes = ref.cache_shapes(cfg, 1, 1)
+        for n in decode_names(cfg):
+            b.add_output(outs["present_" + n], "present_" + n, ft, [B, S] + list(shapes[n][2:]))
+    if call.return_attention_scores:
+        b.add_output(outs["attention_scores"], "attention_scores", TensorProto.FLOAT,
+                     [B, cfg.N, T, S])
+    if call.intermediates:
+        for n in intermediate_names(cfg):
+            dt = ft if n.startswith("dynamic/") else TensorProto.FLOAT
+            b.add_output(outs[n], n, dt, [None] * (4 if not n.startswith("dynamic/") else
+                                                   (4 if n.endswith("dd") else 5)))
+    return b.build(doc="One DCMHA call (dcmha.export).")
+
+
+# ---------------------------------------------------------------------------
+# Checking, saving and running
+# ---------------------------------------------------------------------------
+
+def check_model(model: onnx.ModelProto) -> None:
+    """onnx.checker with full_check (strict shape inference through the functions)."""
+    onnx.checker.check_model(model, full_check=True)
+
+
+def session(model_or_path, *, threads: Optional[int] = None):
+    """An onnxruntime CPU session with every graph optimisation on (ORT_ENABLE_ALL)."""
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+    src = model_or_path.SerializeToString() if isinstance(model_or_path, onnx.ModelProto) else str(model_or_path)
+    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+
+
+def save_model(model: onnx.ModelProto, path: Union[str, os.PathLike], *, check_runtime: bool = True) -> str:
+    """Write ``model`` to ``path`` atomically.
+
+    The model goes to a temporary file in the same directory; only after
+    onnx.checker (full_check) passes and onnxruntime loads it with ORT_ENABLE_ALL
+    is it renamed onto ``path``. On any failure ``path`` is left untouched.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".onnx", dir=directory)
+    os.close(fd)
+    try:
+        onnx.save_model(model, tmp)
+        onnx.checker.check_model(tmp, full_check=True)
+        if check_runtime:
+            session(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path

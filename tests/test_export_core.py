@@ -1,0 +1,275 @@
+"""The framework-free ONNX writer (dcmha.export.core) against spec/reference.py."""
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+
+from dcmha.export import core
+from dcmha.spec import reference as ref
+
+D, B, T = 8, 2, 5
+
+CONFIGS = {
+    "dcmha": dict(num_heads=4, key_dim=4),
+    "mha": dict(num_heads=4, key_dim=4, pre_compose=False, post_compose=False),
+    "all_switches": dict(num_heads=4, key_dim=4, num_groups=2, num_key_value_heads=2, value_dim=3,
+                         static_compose=True, qk_norm=True, rope_max_wavelength=50.0, use_bias=True,
+                         sliding_window=3, dynamic_hidden_dim=5),
+    "talking_heads": dict(num_heads=4, key_dim=4, static_compose=True, dynamic_projection=False,
+                          dynamic_gating=False),
+    "gating_only_post": dict(num_heads=4, key_dim=4, dynamic_projection=False, pre_compose=False),
+    "projection_only_key_wise": dict(num_heads=6, key_dim=2, num_groups=3, dynamic_gating=False,
+                                     query_wise=False, rank=1),
+    "query_wise_pre_exact_gelu": dict(num_heads=4, key_dim=4, key_wise=False, post_compose=False,
+                                      gelu_approximate=False),
+    "gqa_mqa_window": dict(num_heads=4, key_dim=4, num_key_value_heads=1, sliding_window=2),
+}
+
+
+def _params(cfg, D_q=D, D_kv=D, D_out=7, seed=0):
+    # scale > 1 takes composition far from the identity, so a wrong term shows
+    p = ref.init_params(cfg, D_q, D_kv, D_out, rng=np.random.default_rng(seed), scale=30.0)
+    if cfg.use_bias:
+        p = {n: (v + 0.1 if n.endswith("bias") else v) for n, v in p.items()}
+    return {n: v.astype(np.float32) for n, v in p.items()}
+
+
+def _run(model, feeds):
+    sess = core.session(model)
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+def _close(got, want, rel):
+    """|got - want| <= rel * max(1, max|want|) elementwise, and no NaN."""
+    got = np.asarray(got, np.float64)
+    assert not np.isnan(got).any()
+    bound = rel * max(1.0, float(np.max(np.abs(want))))
+    err = float(np.max(np.abs(got - want)))
+    assert err <= bound, f"max abs error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_matches_reference(name, causal):
+    cfg = ref.Config(**CONFIGS[name])
+    p = _params(cfg)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(B, T, D)).astype(np.float32)
+    call = core.CallSpec(use_causal_mask=causal, return_attention_scores=True)
+    model = core.export_layer(cfg, p, call)
+    core.check_model(model)
+    out = _run(model, {"query": x})
+    y, inter = ref.attention(p, cfg, x, use_causal_mask=causal, return_intermediates=True)
+    assert out["output"].shape == (B, T, 7) and out["output"].dtype == np.float32
+    _close(out["output"], y, 1e-5)
+    _close(out["attention_scores"], inter["post_composed"], 1e-5)
+
+
+@pytest.mark.parametrize("cross", [True, False])
+def test_separate_key_value_and_mask(cross):
+    cfg = ref.Config(num_heads=4, key_dim=4, cross_attention=cross, rope_max_wavelength=20.0,
+                     num_key_value_heads=2)
+    S, D_kv = 3, (6 if cross else D)
+    p = _params(cfg, D, D_kv)
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(B, T, D)).astype(np.float32)
+    value = rng.normal(size=(B, S, D_kv)).astype(np.float32)
+    key = rng.normal(size=(B, S, D_kv)).astype(np.float32)
+    mask = rng.random((B, T, S)) > 0.4
+    mask[0, 1] = False                                        # a fully masked row
+    call = core.CallSpec(self_attention=False, attention_mask=True, return_attention_scores=True)
+    model = core.export_layer(cfg, p, call)
+    assert [i.name for i in model.graph.input] == ["query", "value", "key", "attention_mask"]
+    out = _run(model, {"query": x, "value": value, "key": key, "attention_mask": mask})
+    y, inter = ref.attention(p, cfg, x, key, value, attention_mask=mask, return_intermediates=True)
+    _close(out["output"], y, 1e-5)
+    _close(out["attention_scores"], inter["post_composed"], 1e-5)
+    assert np.all(out["output"][0, 1] == 0.0)               # fully masked -> exactly zero
+    assert np.all(np.where(mask[:, None], 0.0, out["attention_scores"]) == 0.0)
+
+
+def test_fully_masked_rows_window_and_causal():
+    cfg = ref.Config(num_heads=4, key_dim=4, sliding_window=2, use_bias=True)
+    p = _params(cfg)
+    x = np.random.default_rng(3).normal(size=(B, T, D)).astype(np.float32)
+    mask = np.ones((B, T, T), bool)
+    mask[1, :, :] = False                                     # every row of batch 1 masked
+    mask[0, 3, 3] = False                                     # row 3: window+causal leaves keys 2,3
+    model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True, attention_mask=True,
+                                                    return_attention_scores=True))
+    out = _run(model, {"query": x, "attention_mask": mask})
+    y = ref.attention(p, cfg, x, attention_mask=mask, use_causal_mask=True)
+    _close(out["output"], y, 1e-5)
+    np.testing.assert_array_equal(out["output"][1], np.broadcast_to(p["output_bias"], (T, 7)))
+    np.testing.assert_array_equal(out["attention_scores"][1], 0.0)
+
+
+def test_float16_graph():
+    cfg = ref.Config(num_heads=4, key_dim=4, qk_norm=True, rope_max_wavelength=50.0,
+                     sliding_window=3)
+    p = _params(cfg)
+    p16 = {n: v.astype(np.float16).astype(np.float32) for n, v in p.items()}
+    x = np.random.default_rng(4).normal(size=(B, T, D)).astype(np.float16)
+    model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True, return_attention_scores=True),
+                              dtype="float16")
+    core.check_model(model)
+    assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    assert model.graph.initializer[0].data_type == onnx.TensorProto.FLOAT16
+    body = model.functions[0].node
+    softmax = [n for n in body if n.op_type == "Softmax"]
+    assert len(softmax) == 1
+    # the softmax input is produced in float32: a Where/Mul of float32 scores (cast before the QK matmul)
+    casts = [n for n in body if n.op_type == "Cast"]
+    assert any(a.i == onnx.TensorProto.FLOAT for n in casts for a in n.attribute if a.name == "to")
+    out = _run(model, {"query": x})
+    assert out["output"].dtype == np.float16 and out["attention_scores"].dtype == np.float32
+    y, inter = ref.attention(p16, cfg, x.astype(np.float64), use_causal_mask=True,
+                             return_intermediates=True)
+    _close(out["output"], y, 1e-2)
+    _close(out["attention_scores"], inter["post_composed"], 1e-2)
+
+
+def test_graph_structure_and_dynamic_axes():
+    cfg = ref.Config(num_heads=4, key_dim=4)
+    model = core.export_layer(cfg, _params(cfg), core.CallSpec(use_causal_mask=True))
+    nodes = model.graph.node
+    dcmha_nodes = [n for n in nodes if n.domain == core.DOMAIN]
+    assert len(dcmha_nodes) == 1 and dcmha_nodes[0].op_type == core.FUNCTION_NAME
+    (fn,) = model.functions
+    assert (fn.domain, fn.name) == ("dcmha", "DCMHA")
+    assert list(fn.input)[:1] == ["query"] and list(fn.output) == ["output"]
+    assert list(fn.input)[1:] == list(ref.param_shapes(cfg, D, D, 7))
+    assert {n.domain for n in fn.node} == {""}                # a plain-op body
+    shape = [d.dim_param for d in model.graph.input[0].type.tensor_type.shape.dim[:2]]
+    assert shape == ["batch", "query_length"]
+    sess = core.session(model)
+    for b, t in [(1, 1), (3, 7)]:
+        (y,) = sess.run(None, {"query": np.ones((b, t, D), np.float32)})
+        assert y.shape == (b, t, 7)
+
+
+def test_static_shapes():
+    cfg = ref.Config(num_heads=4, key_dim=4)
+    model = core.export_layer(cfg, _params(cfg), dynamic=False, dims={"batch": 1, "query_length": 6})
+    dims = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == [1, 6, D]
+    with pytest.raises(ValueError, match=r"dynamic=False needs concrete sizes for \['query_length'\]"):
+        core.export_layer(cfg, _params(cfg), dynamic=False, dims={"batch": 1})
+
+
+@pytest.mark.parametrize("name", ["dcmha", "all_switches", "projection_only_key_wise", "mha"])
+def test_decode_matches_reference(name):
+    cfg = ref.Config(**CONFIGS[name])
+    p = _params(cfg, D_out=D)
+    steps, S_max = (3, 1, 2, 1), 9
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(B, sum(steps), D)).astype(np.float32)
+    model = core.export_layer(cfg, p, core.CallSpec(decode=True))
+    core.check_model(model)
+    names = core.decode_names(cfg)
+    assert [i.name for i in model.graph.input] == ["query", "cache_update_index"] + [
+        "past_" + n for n in names]
+    assert [o.name for o in model.graph.output] == ["output"] + ["present_" + n for n in names]
+    sess = core.session(model)
+    cache = ref.init_cache(cfg, B, S_max)
+    ours = {n: c.astype(np.float32) for n, c in cache.items()}
+    i = 0
+    for n in steps:
+        feeds = {"query": x[:, i:i + n], "cache_update_index": np.array(i, np.int64)}
+        feeds.update({"past_" + c: ours[c] for c in names})
+        res = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+        y, cache = ref.decode_step(p, cfg, x[:, i:i + n], cache, i)
+        _close(res["output"], y, 1e-5)
+        ours = {c: res["present_" + c] for c in names}
+        for c in names:
+            assert ours[c].shape == cache[c].shape
+            _close(ours[c], cache[c], 1e-5)
+        i += n
+
+
+def test_intermediates():
+    cfg = ref.Config(num_heads=4, key_dim=4, num_groups=2)
+    p = _params(cfg)
+    x = np.random.default_rng(6).normal(size=(B, T, D)).astype(np.float32)
+    model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True, intermediates=True))
+    out = _run(model, {"query": x})
+    _, inter = ref.attention(p, cfg, x, use_causal_mask=True, return_intermediates=True)
+    for n in ("scores", "pre_composed", "probs"):
+        _close(out[n], inter[n], 1e-5)
+    _close(out["dynamic/post_key/w1"], inter["key_dynamic"]["post_key"]["w1"], 1e-5)
+    _close(out["dynamic/pre_query/dd"], inter["query_dynamic"]["pre_query"]["dd"], 1e-5)
+
+
+def test_layers_share_a_function_per_configuration():
+    cfg = ref.Config(num_heads=4, key_dim=4)
+    other = ref.Config(num_heads=4, key_dim=4, sliding_window=2)
+    b = core.ModelBuilder()
+    x = b.add_input("x", onnx.TensorProto.FLOAT, ["batch", "length", D])
+    h = x
+    for i, c in enumerate([cfg, other, cfg]):
+        h = b.add_dcmha(c, _params(c, D_out=D, seed=i), core.CallSpec(use_causal_mask=True),
+                        query=h, prefix=f"l{i}/", name=f"l{i}")["output"]
+    b.add_output(h, "y", onnx.TensorProto.FLOAT, ["batch", "length", D])
+    model = b.build()
+    core.check_model(model)
+    assert sorted(f.name for f in model.functions) == ["DCMHA", "DCMHA_2"]
+    assert [n.op_type for n in model.graph.node if n.domain == "dcmha"] == ["DCMHA", "DCMHA_2", "DCMHA"]
+    x_np = np.random.default_rng(7).normal(size=(1, 4, D)).astype(np.float32)
+    want = x_np
+    for i, c in enumerate([cfg, other, cfg]):
+        want = ref.attention(_params(c, D_out=D, seed=i), c, want, use_causal_mask=True)
+    _close(_run(model, {"x": x_np})["y"], want, 1e-5)
+
+
+@pytest.mark.parametrize("opset", [18, 21, onnx.defs.onnx_opset_version()])
+def test_opsets(opset):
+    cfg = ref.Config(num_heads=4, key_dim=4, qk_norm=True, rope_max_wavelength=10.0)
+    p = _params(cfg)
+    model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True), opset=opset)
+    core.check_model(model)
+    x = np.random.default_rng(8).normal(size=(1, 3, D)).astype(np.float32)
+    _close(_run(model, {"query": x})["output"], ref.attention(p, cfg, x, use_causal_mask=True), 1e-5)
+
+
+def test_bad_input_errors():
+    cfg = ref.Config(num_heads=4, key_dim=4)
+    p = _params(cfg)
+    with pytest.raises(ValueError, match=r"`dtype` must be one of \['float16', 'float32'\]; .* "
+                                         r"Received: dtype='bfloat16'"):
+        core.export_layer(cfg, p, dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"`opset` must be an integer in \[18, \d+\]. Received: opset=13"):
+        core.export_layer(cfg, p, opset=13)
+    cross = ref.Config(num_heads=4, key_dim=4, cross_attention=True)
+    with pytest.raises(ValueError, match="decode=True needs a self-attention layer; this layer has "
+                                         "cross_attention=True"):
+        core.export_layer(cross, _params(cross), core.CallSpec(decode=True, self_attention=False))
+    with pytest.raises(ValueError, match="export it with self_attention=False"):
+        core.export_layer(cross, _params(cross))
+    bad = dict(p, qkw=p["qkw"][:, :1])
+    with pytest.raises(ValueError, match=r"DCMHA parameter `qkw` must have shape \(1, 4, 16, 4, 4\). "
+                                         r"Received: \(1, 1, 16, 4, 4\)"):
+        core.export_layer(cfg, bad)
+    with pytest.raises(ValueError, match=r"Missing: \['dd'\]; unexpected: \['static_pre'\]"):
+        core.export_layer(cfg, {**{n: v for n, v in p.items() if n != "dd"},
+                                "static_pre": np.zeros((1, 4, 4), np.float32)})
+
+
+def test_save_is_atomic(tmp_path):
+    cfg = ref.Config(num_heads=4, key_dim=4)
+    good = core.export_layer(cfg, _params(cfg))
+    path = tmp_path / "layer.onnx"
+    core.save_model(good, path)
+    before = path.read_bytes()
+    assert onnx.load(str(path)).functions[0].name == "DCMHA"
+    broken = onnx.ModelProto()
+    broken.CopyFrom(good)
+    broken.graph.node[0].input[0] = "no_such_value"           # the checker rejects this
+    with pytest.raises(onnx.checker.ValidationError):
+        core.save_model(broken, path)
+    assert path.read_bytes() == before                        # untouched
+    assert sorted(os.listdir(tmp_path)) == ["layer.onnx"]      # no temp file left behind
+    with pytest.raises(onnx.checker.ValidationError):
+        core.save_model(broken, tmp_path / "new.onnx")
+    assert sorted(os.listdir(tmp_path)) == ["layer.onnx"]
