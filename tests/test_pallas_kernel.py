@@ -1,0 +1,344 @@
+"""The fused Pallas DCMHA kernel (forward and backward) against its jax.numpy reference and the
+NumPy spec, run on CPU in Pallas interpret mode; plus a check that the kernels lower to Triton.
+
+Tolerances are the spec's conformance policy (``dcmha.spec.tolerance``) computed from the
+float64 spec result of the same inputs.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax", reason="the Pallas backend needs JAX")
+pytest.importorskip("jax.experimental.pallas", reason="the Pallas backend needs Pallas")
+
+import jax.numpy as jnp  # noqa: E402
+
+from dcmha.backends import pallas as pb  # noqa: E402
+from dcmha.spec import reference as ref  # noqa: E402
+from dcmha.spec import reference_grad as ref_grad  # noqa: E402
+from dcmha.spec import tolerance as tol  # noqa: E402
+
+TERMS = ("qw1", "qw2", "kw1", "kw2", "qdd", "kdd", "static")
+DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+
+
+def make_problem(seed, *, B=1, T=11, S=13, N=4, N_kv=2, d=8, d_v=4, G=2, R=2, pre=TERMS,
+                 post=TERMS, dtype="float32", scores=False):
+    """Random inputs and cotangents as float32 NumPy arrays exactly representable in dtype."""
+    rng = np.random.default_rng(seed)
+    M = N // G
+
+    def arr(*shape, scale=1.0):
+        return tol.round_to_dtype(rng.normal(0.0, scale, size=shape), dtype)
+
+    shapes = dict(qw1=(B, T, G, R, M), qw2=(B, T, G, R, M), kw1=(B, S, G, R, M),
+                  kw2=(B, S, G, R, M), qdd=(B, T, G, M), kdd=(B, S, G, M), static=(G, M, M))
+
+    def stage(names):
+        return None if names is None else {n: arr(*shapes[n], scale=0.5) for n in names}
+
+    return dict(q=arr(B, T, N, d), k=arr(B, S, N_kv, d), v=arr(B, S, N_kv, d_v), G=G,
+                pre=stage(pre), post=stage(post), do=arr(B, T, N, d_v),
+                dscores=arr(B, N, T, S) if scores else None, dtype=dtype)
+
+
+def full_mask(p, mask, causal, window, offset=0):
+    B, T, S = p["q"].shape[0], p["q"].shape[1], p["k"].shape[1]
+    return ref.make_mask(B, T, S, attention_mask=mask, use_causal_mask=causal,
+                         sliding_window=window, query_offset=offset)
+
+
+def spec_result(p, mask):
+    """Forward and gradients of the kernel's function by the NumPy spec (float64).
+
+    mask: (B, T, S) bool, the full mask. Returns ({name: array}, sigma).
+    """
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    q, k, v, do = f64(p["q"]), f64(p["k"]), f64(p["v"]), f64(p["do"])
+    pre = {n: f64(x) for n, x in (p["pre"] or {}).items()}
+    post = {n: f64(x) for n, x in (p["post"] or {}).items()}
+    G, rep, scale = p["G"], q.shape[2] // k.shape[2], 1.0 / math.sqrt(q.shape[3])
+    kh, vh = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+    scores = np.einsum("btnh,bsnh->bnts", q, kh) * scale
+    A = ref.compose(scores, G, **pre)
+    P = ref.masked_softmax(A, mask)
+    P2 = ref.compose(P, G, **post)
+    P3 = np.where(mask[:, None], P2, 0.0)
+    out = {"output": np.einsum("bnts,bsnh->btnh", P3, vh)}
+    if p["dscores"] is not None:
+        out["attention_scores"] = P3
+    dP3 = np.einsum("btnh,bsnh->bnts", do, vh)
+    if p["dscores"] is not None:
+        dP3 = dP3 + f64(p["dscores"])
+    dP2 = np.where(mask[:, None], dP3, 0.0)
+    dP, g_post = ref_grad.compose_backward(P, dP2, G, **post)
+    dA = ref_grad.masked_softmax_backward(P, dP, mask)
+    ds, g_pre = ref_grad.compose_backward(scores, dA, G, **pre)
+    B, S, N_kv = k.shape[:3]
+    out["grad/q"] = np.einsum("bnts,bsnh->btnh", ds, kh) * scale
+    out["grad/k"] = (np.einsum("bnts,btnh->bsnh", ds, q) * scale).reshape(
+        B, S, N_kv, rep, -1).sum(3)
+    out["grad/v"] = np.einsum("bnts,btnh->bsnh", P3, do).reshape(B, S, N_kv, rep, -1).sum(3)
+    for stage, g in (("pre", g_pre), ("post", g_post)):
+        for n in (p[stage] or {}):
+            out[f"grad/{stage}/{n}"] = g[n]
+    return out, tol.score_scale(A, mask)
+
+
+def run_jax(fn, p, kw):
+    """Forward and gradients of ``fn`` (kernel or reference) in one jit; float32 NumPy out."""
+    dt = DTYPES[p["dtype"]]
+
+    def cast(x):
+        return None if x is None else jax.tree.map(lambda a: jnp.asarray(a, dt), x)
+
+    args = (cast(p["q"]), cast(p["k"]), cast(p["v"]), cast(p["pre"]), cast(p["post"]))
+    with_scores = p["dscores"] is not None
+    ct = cast(p["do"]) if not with_scores else (cast(p["do"]), cast(p["dscores"]))
+
+    @jax.jit
+    def go(*args):
+        q, k, v, pre, post = args
+        out, vjp = jax.vjp(lambda *a: fn(*a[:3], pre=a[3], post=a[4], num_groups=p["G"],
+                                        return_attention_scores=with_scores, **kw), *args)
+        return out, vjp(ct)
+
+    out, (gq, gk, gv, gpre, gpost) = go(*args)
+    res = {"output": out[0] if with_scores else out}
+    if with_scores:
+        res["attention_scores"] = out[1]
+    res.update({"grad/q": gq, "grad/k": gk, "grad/v": gv})
+    for stage, g in (("pre", gpre), ("post", gpost)):
+        for n, x in (g or {}).items():
+            res[f"grad/{stage}/{n}"] = x
+    return {n: np.asarray(x.astype(jnp.float32)) for n, x in res.items()}
+
+
+def assert_close(got, expected, dtype, sigma, label):
+    """Every array within the conformance policy's tolerance of the float64 spec."""
+    assert sorted(got) == sorted(expected), label
+    tols = tol.case_tolerances(expected, list(expected), dtype, sigma)
+    for name, want in expected.items():
+        assert got[name].shape == want.shape, (label, name)
+        t = tols[name]
+        ok = tol.within(got[name], want, t["atol"], t["rtol"])
+        err = float(np.max(np.abs(got[name] - want)))
+        assert ok.all(), f"{label} {name}: max|err| {err:.3g} > atol {t['atol']} (rtol {t['rtol']})"
+
+
+def check(p, *, mask=None, causal=False, window=None, offset=0, blocks=(4, 8), reference=False):
+    """Kernel (and with ``reference`` the jax.numpy reference), forward and gradients, against
+    the spec; returns the kernel's. (Both compile slowly on CPU: the reference is checked on
+    the richest problems only.)"""
+    kw = dict(mask=None if mask is None else jnp.asarray(mask), causal=causal,
+              sliding_window=window, query_offset=offset)
+    expected, sigma = spec_result(p, full_mask(p, mask, causal, window, offset))
+    got = run_jax(lambda *a, **k: pb.dcmha_attention(*a, block_q=blocks[0], block_k=blocks[1],
+                                                     interpret=True, **k), p, kw)
+    assert_close(got, expected, p["dtype"], sigma, "kernel")
+    if reference:
+        ref_got = run_jax(pb.dcmha_attention_reference, p, kw)
+        assert_close(ref_got, expected, p["dtype"], sigma, "reference")
+        assert_close(got, ref_got, p["dtype"], sigma, "kernel vs reference")
+    return got
+
+
+# ---------------------------------------------------------------------------
+# Kernel vs reference vs spec
+# ---------------------------------------------------------------------------
+
+def test_all_terms_gqa_groups_masks_fully_masked_row():
+    """Every term in both stages, G=2, R=2, GQA, causal + window + a general mask with a
+    fully masked row; T=11, S=13 in 4x8 tiles (partial tiles both ways), batch 2."""
+    p = make_problem(0, B=2)
+    rng = np.random.default_rng(1)
+    mask = rng.random((2, 11, 13)) < 0.8
+    mask[1, 6] = False                               # fully masked row
+    got = check(p, mask=mask, causal=True, window=5, reference=True)
+    assert np.all(got["output"][1, 6] == 0.0)
+    assert np.all(got["grad/q"][1, 6] == 0.0)
+    assert all(np.isfinite(g).all() for g in got.values())
+
+
+def test_one_group_rank_one_bidirectional_window():
+    """G=1, R=1, no GQA, a bidirectional sliding window, T=5 < S=9, 4x4 tiles."""
+    check(make_problem(2, T=5, S=9, N=2, N_kv=2, G=1, R=1), window=3, blocks=(4, 4))
+
+
+@pytest.mark.parametrize("unit", [("qw1", "qw2"), ("kw1", "kw2"), ("qdd",), ("kdd",),
+                                  ("static",)], ids=lambda u: u[0][:2] if len(u) == 2 else u[0])
+def test_each_term_alone(unit):
+    """One compose term (a low-rank pair counts as one) in each stage, nothing else."""
+    check(make_problem(3, T=6, S=7, pre=unit, post=unit), causal=True)
+
+
+@pytest.mark.parametrize("pre,post", [(TERMS, None), (None, TERMS), (None, None)],
+                         ids=["pre_only", "post_only", "plain_mha"])
+def test_one_stage_or_none(pre, post):
+    check(make_problem(4, T=6, S=7, pre=pre, post=post), causal=True)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_dtypes(dtype):
+    """Half-precision inputs, float32 compute: within the dtype's conformance tolerance."""
+    got = check(make_problem(5, N=2, N_kv=1, G=1, R=1, dtype=dtype), causal=True,
+                reference=True)
+    assert all(np.isfinite(g).all() for g in got.values())
+
+
+def test_attention_scores_and_query_offset():
+    """Returned scores (and their cotangent) with a causal window at a query offset, as when
+    decoding: queries at absolute positions 6..10 over keys 0..12."""
+    p = make_problem(6, T=5, S=13, N=2, N_kv=1, G=1, R=1, scores=True)
+    got = check(p, causal=True, window=4, offset=6, reference=True)
+    allowed = full_mask(p, None, True, 4, 6)
+    assert np.all(got["attention_scores"][np.broadcast_to(~allowed[:, None],
+                                                          got["attention_scores"].shape)] == 0)
+
+
+# ---------------------------------------------------------------------------
+# API and validation
+# ---------------------------------------------------------------------------
+
+def test_import_does_not_import_jax():
+    code = ("import sys, dcmha, dcmha.backends.pallas as p; "
+            "assert 'jax' not in sys.modules, 'jax imported'; print(p.__all__)")
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert pb.is_available() is True
+
+
+def test_block_sizes_validation():
+    assert pb.BlockSizes(16, 32).backward == (16, 32)
+    assert pb.BlockSizes(16, 32, 8, 8).backward == (8, 8)
+    with pytest.raises(ValueError, match=r"`block_k` must be a positive power of two\. "
+                                         r"Received: block_k=24"):
+        pb.BlockSizes(16, 24)
+
+
+def _qkv(T=4, S=5, N=4, N_kv=2, d=8):
+    return jnp.zeros((1, T, N, d)), jnp.zeros((1, S, N_kv, d)), jnp.zeros((1, S, N_kv, d))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_groups=3), "`num_groups` must be a positive divisor of the 4 query heads. "
+                         "Received: num_groups=3"),
+    (dict(num_groups=2, mask=jnp.ones((1, 4, 4), bool)),
+     "`mask` must have shape (B, T, S) = (1, 4, 5). Received: mask.shape=(1, 4, 4)"),
+    (dict(num_groups=2, pre={"qw1": jnp.zeros((1, 4, 2, 2, 2))}),
+     "`pre` needs both qw1 and qw2 or neither. Received keys ['qw1']"),
+    (dict(num_groups=2, post={"kdd": jnp.zeros((1, 4, 2, 2))}),
+     "`post['kdd']` must have shape (1, 5, 2, 2). Received: (1, 4, 2, 2)"),
+    (dict(num_groups=2, pre={"gate": jnp.zeros(3)}),
+     "`pre` keys must be among ('qw1', 'qw2', 'kw1', 'kw2', 'qdd', 'kdd', 'static'). "
+     "Received unknown keys ['gate']"),
+    (dict(num_groups=2, sliding_window=0),
+     "`sliding_window` must be None or a positive integer. Received: sliding_window=0"),
+    (dict(num_groups=2, block_q=16, block_sizes=None), None),
+])
+def test_argument_validation(kwargs, message):
+    q, k, v = _qkv()
+    if message is None:   # a valid call: shape and dtype of the result
+        o = pb.dcmha_attention(q, k, v, interpret=True, **kwargs)
+        assert o.shape == (1, 4, 4, 8) and o.dtype == q.dtype
+        return
+    for fn in (pb.dcmha_attention, pb.dcmha_attention_reference):
+        with pytest.raises(ValueError) as info:
+            fn(q, k, v, **kwargs)
+        assert str(info.value) == message
+
+
+def test_argument_validation_shapes_and_blocks():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"`k` must have shape \(B, S, N_kv, d\) = "
+                                         r"\(1, S, N_kv, 8\)\. Received: k.shape=\(1, 5, 2, 6\)"):
+        pb.dcmha_attention(q, jnp.zeros((1, 5, 2, 6)), v, num_groups=1)
+    with pytest.raises(ValueError, match=r"The number of query heads must be a multiple of the "
+                                         r"kv heads\. Received: q heads=4, kv heads=3"):
+        pb.dcmha_attention(q, jnp.zeros((1, 5, 3, 8)), jnp.zeros((1, 5, 3, 8)), num_groups=1)
+    with pytest.raises(ValueError, match=r"Pass either `block_sizes` or `block_q`/`block_k`"):
+        pb.dcmha_attention(q, k, v, num_groups=1, block_q=16, block_sizes=pb.BlockSizes())
+    with pytest.raises(ValueError, match=r"GPU tiles must be at least 16\."):
+        pb.dcmha_attention(q, k, v, num_groups=1, block_q=8, interpret=False)
+    with pytest.raises(TypeError, match=r"`q` must be a floating array\. Received: q.dtype=int32"):
+        pb.dcmha_attention(q.astype(jnp.int32), k, v, num_groups=1)
+
+
+# ---------------------------------------------------------------------------
+# GPU validity: the kernels lower to Triton (no GPU needed to lower)
+# ---------------------------------------------------------------------------
+
+def _export_for_cuda():
+    """Lower forward + backward (half inputs, GQA, non-power-of-two M, N_kv, d, all terms,
+    mask, causal window, returned scores) for CUDA; returns the exported module text."""
+    from jax import export
+
+    B, T, S, N, N_kv, d, d_v, G, R = 2, 40, 72, 6, 3, 12, 8, 2, 2
+    M = N // G
+    sd = lambda *s, dt=jnp.float16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
+    terms = dict(qw1=sd(B, T, G, R, M), qw2=sd(B, T, G, R, M), kw1=sd(B, S, G, R, M),
+                 kw2=sd(B, S, G, R, M), qdd=sd(B, T, G, M), kdd=sd(B, S, G, M),
+                 static=sd(G, M, M, dt=jnp.float32))
+
+    def f(q, k, v, pre, post, mask, do, dsc):
+        def attn(q, k, v, pre, post):
+            return pb.dcmha_attention(q, k, v, num_groups=G, pre=pre, post=post, mask=mask,
+                                      causal=True, sliding_window=20,
+                                      return_attention_scores=True,
+                                      block_sizes=pb.BlockSizes(16, 32, 16, 16),
+                                      interpret=False)
+        out, vjp = jax.vjp(attn, q, k, v, pre, post)
+        return out, vjp((do, dsc))
+
+    exp = export.export(jax.jit(f), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call(
+                            "__gpu$xla.gpu.triton")])
+    return exp(sd(B, T, N, d), sd(B, S, N_kv, d), sd(B, S, N_kv, d_v), terms, terms,
+               sd(B, T, S, dt=jnp.bool_), sd(B, T, N, d_v), sd(B, N, T, S)).mlir_module()
+
+
+def test_kernels_lower_to_triton():
+    text = _export_for_cuda()
+    for name in ("dcmha_forward", "dcmha_backward_rows", "dcmha_backward_cols"):
+        assert f'name = "{name}"' in text, name
+
+
+@pytest.mark.skipif(not os.environ.get("DCMHA_SLOW_TESTS"),
+                    reason="compiling to sm_90 cubin takes minutes; set DCMHA_SLOW_TESTS=1")
+def test_kernels_compile_to_cubin():
+    """The Triton IR of every kernel compiles to an sm_90 cubin with the triton package."""
+    pytest.importorskip("triton")
+    import tempfile
+
+    import triton
+    from jax._src.pallas.triton import lowering
+    from triton.backends.compiler import GPUTarget
+
+    modules = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        modules.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        _export_for_cuda()
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+    assert len(modules) == 3
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, text in enumerate(modules):
+            path = os.path.join(tmp, f"kernel{i}.ttir")
+            with open(path, "w") as f:
+                f.write(text)
+            compiled = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                                      options=dict(num_warps=4, num_stages=2))
+            assert compiled.asm["cubin"]
