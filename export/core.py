@@ -762,6 +762,10 @@ def save_model(model: onnx.ModelProto, path: Union[str, os.PathLike], *, check_r
         onnx.checker.check_model(tmp, full_check=True)
         if check_runtime:
             session(tmp)
+        # mkstemp creates the file 0600; give the result the usual umask-based mode.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
