@@ -1,6 +1,27 @@
-"""dcmha: Dynamically Composable Multi-Head Attention for Keras 3."""
+"""dcmha: Dynamically Composable Multi-Head Attention for Keras 3.
+
+Keras is imported lazily (on first use of ``dcmha.DCMHA``, ``dcmha.ops`` or
+``dcmha.layers``), so that ``import dcmha.spec`` or ``dcmha.conformance`` does
+not fix the Keras backend before a caller has chosen it.
+"""
+
+import importlib
 
 from dcmha.spec.reference import SPEC_VERSION
 
 __version__ = "0.1.0"
-__all__ = ["SPEC_VERSION", "__version__"]
+__all__ = ["SPEC_VERSION", "__version__", "DCMHA", "DynamicWeightProjection", "ops", "layers"]
+
+_LAZY = {"DCMHA": "dcmha.layers", "DynamicWeightProjection": "dcmha.layers",
+         "ops": "dcmha.ops", "layers": "dcmha.layers"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module = importlib.import_module(_LAZY[name])
+        return module if name in ("ops", "layers") else getattr(module, name)
+    raise AttributeError(f"module 'dcmha' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

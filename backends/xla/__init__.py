@@ -1,0 +1,12 @@
+"""DCMHA attention for TensorFlow as one XLA-compiled function (query-chunked).
+
+``import dcmha.backends.xla`` does not import TensorFlow; the first call of
+``dcmha_attention`` or ``dcmha_attention_reference`` does. See ``dcmha_xla`` for
+the API (the same shape of API as the Triton and Pallas kernels).
+"""
+
+from .dcmha_xla import (dcmha_attention, dcmha_attention_reference,
+                        default_query_chunk_size, is_available)
+
+__all__ = ["dcmha_attention", "dcmha_attention_reference", "default_query_chunk_size",
+           "is_available"]

@@ -1,0 +1,261 @@
+"""Conformance adapters for the Keras ``dcmha.DCMHA`` layer, one per Keras backend.
+
+Keras fixes its backend when it is first imported, so each adapter sets
+KERAS_BACKEND before importing Keras and refuses to run in a process where
+Keras was already imported with another backend (the suite runs every adapter
+in its own subprocess). Keras is imported when an adapter is instantiated,
+never when this module is imported.
+
+The layer is built from ``case.config`` / ``case.dims``, loaded with
+``case.params`` through ``load_spec_weights`` and run under the dtype policy of
+the case (float16 / bfloat16: ``mixed_float16`` / ``mixed_bfloat16``, inputs
+cast to that dtype). Gradients come from each backend's own autodiff
+(``jax.grad``, torch autograd, ``tf.GradientTape``) of
+``sum(output * d_output)``; the numpy backend has none.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Dict
+
+import numpy as np
+
+from dcmha.conformance.adapters.base import (CAPABILITIES, Adapter, cache_length, call_inputs,
+                                             decode_segments)
+
+_POLICIES = {"float32": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
+
+
+def _import_keras(backend: str, adapter: str):
+    """Keras on ``backend``; refuses if Keras already runs on another backend."""
+    if "keras" in sys.modules:
+        import keras
+
+        current = keras.backend.backend()
+        if current != backend:
+            raise RuntimeError(
+                f"The {adapter} adapter needs the Keras backend {backend!r}, but keras is already "
+                f"imported with the backend {current!r} in this process; run the adapter in its "
+                f"own process (the conformance runner does).")
+        return keras
+    os.environ["KERAS_BACKEND"] = backend
+    import keras
+
+    if keras.backend.backend() != backend:   # pragma: no cover - keras ignored the variable
+        raise RuntimeError(f"Keras started with backend {keras.backend.backend()!r}, "
+                           f"not {backend!r}.")
+    return keras
+
+
+class _KerasAdapter(Adapter):
+    backend = ""
+    capabilities = CAPABILITIES
+
+    def __init__(self):
+        self.keras = _import_keras(self.backend, self.name)
+        self._strict_float32()
+
+    def _strict_float32(self):
+        """Float32 cases mean IEEE float32 matmuls (no TF32 on GPUs)."""
+
+    # ------------------------------------------------------------- helpers
+    def _layer(self, case):
+        import dcmha
+
+        dims = case.dims
+        layer = dcmha.DCMHA(**case.config, output_shape=dims["output_dim"],
+                            dtype=_POLICIES[case.dtype], name="dcmha")
+        if self.keras.backend.backend() != self.backend:
+            raise RuntimeError(f"Keras backend changed to {self.keras.backend.backend()!r}")
+        args = call_inputs(case)
+        B, T, S = dims["batch"], dims["query_length"], dims["key_length"]
+        D_q, D_kv = dims["query_input_dim"], dims["key_input_dim"]
+        if args["value"] is None:
+            layer.build((B, T, D_q), (B, T, D_q))
+        else:
+            layer.build((B, T, D_q), (B, S, D_kv), (B, S, D_kv))
+        layer.load_spec_weights(case.params)
+        return layer
+
+    def _tensor(self, x, dtype):
+        if x is None:
+            return None
+        x = np.asarray(x)
+        if x.dtype == np.bool_:
+            return self.keras.ops.convert_to_tensor(x)
+        return self.keras.ops.cast(self.keras.ops.convert_to_tensor(x.astype(np.float32)), dtype)
+
+    def _inputs(self, case):
+        """(query, value, key, call kwargs) as backend tensors of the case's dtype."""
+        args = call_inputs(case)
+        q = self._tensor(args["query"], case.dtype)
+        if args["value"] is None:
+            value, key = q, None
+        else:
+            value, key = self._tensor(args["value"], case.dtype), self._tensor(args["key"],
+                                                                              case.dtype)
+        kwargs = dict(attention_mask=self._tensor(args["attention_mask"], "bool"),
+                      use_causal_mask=args["use_causal_mask"])
+        return q, value, key, kwargs
+
+    def _np(self, x):
+        return np.asarray(self.keras.ops.convert_to_numpy(self.keras.ops.cast(x, "float32")),
+                          dtype=np.float32)
+
+    # ---------------------------------------------------------------- run
+    def run(self, case) -> Dict[str, np.ndarray]:
+        if self.keras.backend.backend() != self.backend:
+            raise RuntimeError(f"The {self.name} adapter needs Keras on {self.backend!r}.")
+        if case.kind == "decode":
+            return {"output": self._decode(case)}
+        layer = self._layer(case)
+        q, value, key, kwargs = self._inputs(case)
+        out = {}
+        wanted = set(case.outputs)
+        if wanted & {"scores", "pre_composed", "probs"} or any(
+                n.startswith("dynamic/") for n in wanted):
+            inter = layer.compute_intermediates(q, value, key, **kwargs)
+            for n in ("output", "attention_scores", "scores", "pre_composed", "probs"):
+                out[n] = self._np(inter[n])
+            for side in ("query_dynamic", "key_dynamic"):
+                for slot, ws in inter[side].items():
+                    for w, a in ws.items():
+                        out[f"dynamic/{slot}/{w}"] = self._np(a)
+        else:
+            y, scores = layer(q, value, key, return_attention_scores=True, **kwargs)
+            out["output"], out["attention_scores"] = self._np(y), self._np(scores)
+        if case.kind == "gradients":
+            out.update(self._gradients(case, layer))
+        return {n: out[n] for n in case.outputs if n in out}
+
+    def _decode(self, case):
+        layer = self._layer(case)
+        query = case.inputs["query"]
+        cache = layer.init_cache(query.shape[0], cache_length(case))
+        outs = []
+        for start, stop in decode_segments(case):
+            x = self._tensor(query[:, start:stop], case.dtype)
+            y, cache = layer(x, x, use_causal_mask=True, cache=cache, cache_update_index=start)
+            outs.append(self._np(y))
+        return np.concatenate(outs, axis=1)
+
+    def _input_names(self, case):
+        return ["query"] if case.call["self_attention"] else ["query", "key", "value"]
+
+    def _variable_names(self, layer):
+        """Canonical names of ``layer.trainable_variables``, in that order."""
+        by_id = {id(v): n for n, v in layer._spec_variables().items()}
+        names = [by_id.get(id(v)) for v in layer.trainable_variables]
+        if None in names or sorted(names) != sorted(by_id.values()):
+            raise RuntimeError("The trainable variables do not map onto the canonical names.")
+        return names
+
+    def _gradients(self, case, layer):
+        raise NotImplementedError
+
+
+class KerasJaxAdapter(_KerasAdapter):
+    name = "keras-jax"
+    backend = "jax"
+
+    def _strict_float32(self):
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "highest")
+
+    def _gradients(self, case, layer):
+        import jax
+        import jax.numpy as jnp
+
+        q, value, key, kwargs = self._inputs(case)
+        d_out = jnp.asarray(case.inputs["d_output"], jnp.float32)
+        inputs = {"query": q} if case.call["self_attention"] else {
+            "query": q, "key": key, "value": value}
+        trainable = [v.value for v in layer.trainable_variables]
+        non_trainable = [v.value for v in layer.non_trainable_variables]
+
+        def loss(trainable, inputs):
+            qq = inputs["query"]
+            args = (qq, qq) if case.call["self_attention"] else (qq, inputs["value"],
+                                                                 inputs["key"])
+            y, _ = layer.stateless_call(trainable, non_trainable, *args, **kwargs)
+            return jnp.sum(y.astype(jnp.float32) * d_out)
+
+        g_vars, g_inputs = jax.grad(loss, argnums=(0, 1))(trainable, inputs)
+        out = {f"grad/{n}": self._np(g_inputs[n]) for n in self._input_names(case)}
+        out.update({f"grad/{n}": self._np(g)
+                    for n, g in zip(self._variable_names(layer), g_vars)})
+        return out
+
+
+class KerasTorchAdapter(_KerasAdapter):
+    name = "keras-torch"
+    backend = "torch"
+
+    def _strict_float32(self):
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+    def _gradients(self, case, layer):
+        import torch
+
+        q, value, key, kwargs = self._inputs(case)
+        names = self._input_names(case)
+        tensors = {"query": q, "key": key, "value": value}
+        leaves = {n: tensors[n].detach().clone().requires_grad_(True) for n in names}
+        for v in layer.trainable_variables:
+            v.value.grad = None
+        qq = leaves["query"]
+        args = (qq, qq) if case.call["self_attention"] else (qq, leaves["value"], leaves["key"])
+        y = layer(*args, **kwargs)
+        d_out = torch.as_tensor(case.inputs["d_output"], dtype=torch.float32, device=y.device)
+        torch.sum(y.float() * d_out).backward()
+        out = {f"grad/{n}": self._np(leaves[n].grad) for n in names}
+        for n, v in zip(self._variable_names(layer), layer.trainable_variables):
+            out[f"grad/{n}"] = self._np(v.value.grad)
+        return out
+
+
+class KerasTensorFlowAdapter(_KerasAdapter):
+    name = "keras-tensorflow"
+    backend = "tensorflow"
+
+    def _strict_float32(self):
+        import tensorflow as tf
+
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+
+    def _gradients(self, case, layer):
+        import tensorflow as tf
+
+        q, value, key, kwargs = self._inputs(case)
+        names = self._input_names(case)
+        tensors = {"query": q, "key": key, "value": value}
+        d_out = tf.constant(case.inputs["d_output"], tf.float32)
+        with tf.GradientTape() as tape:
+            for n in names:
+                tape.watch(tensors[n])
+            args = (q, q) if case.call["self_attention"] else (q, value, key)
+            y = layer(*args, **kwargs)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * d_out)
+        variables = list(layer.trainable_variables)
+        grads = tape.gradient(loss, [tensors[n] for n in names] + variables)
+        out = {f"grad/{n}": self._np(g) for n, g in zip(names, grads)}
+        out.update({f"grad/{n}": self._np(g)
+                    for n, g in zip(self._variable_names(layer), grads[len(names):])})
+        return out
+
+
+class KerasNumpyAdapter(_KerasAdapter):
+    """Inference only: the numpy backend has no autodiff."""
+
+    name = "keras-numpy"
+    backend = "numpy"
+    capabilities = frozenset(CAPABILITIES - {"gradients"})
+
+
+__all__ = ["KerasJaxAdapter", "KerasTorchAdapter", "KerasTensorFlowAdapter", "KerasNumpyAdapter"]

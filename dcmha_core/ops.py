@@ -1,0 +1,691 @@
+"""The functional DCMHA core on ``keras.ops`` (usable without the layer).
+
+Shapes use the spec's letters (see ``dcmha.spec.reference``): B batch, T query
+length, S key length, N query heads, N_kv key/value heads, G groups, M = N / G,
+d head dim, d_v value head dim, R rank, K dynamic hidden width, C slots.
+
+Everything that touches attention weights runs in float32 whatever the input
+dtype: the scores, both compositions, the softmax and P.V. Inputs of another
+dtype are cast up; the caller casts the result back.
+
+Composition weights of one stage ("pre" or "post") are passed as a dict of
+``reference.compose`` keyword arguments (any subset of ``qw1, qw2, qdd`` on the
+query side, ``kw1, kw2, kdd`` on the key side and ``static``); an empty dict or
+``None`` means the stage is the identity and is skipped.
+
+``dcmha_attention`` is the one attention core; it dispatches on
+``implementation`` through ``IMPLEMENTATIONS`` so that fast paths can be
+registered next to the plain ``keras.ops`` one.
+
+Performance notes (the plain path, measured with benchmarks/layer_step.py):
+compose runs in the query-major layout (B, T, G, M, S) as two batched matmuls
+with small (M x M) matrices that fold every term, the residual included;
+queries are processed in blocks whose (B, N, chunk, S) tensors stay in CPU
+cache, and blocks skip the keys a causal mask or window hides.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import keras
+from keras import ops
+
+W1_NORM_EPS = 1e-6
+QK_NORM_EPS = 1e-6
+# A finite "minus infinity": a fully masked row stays finite through softmax
+# (it becomes uniform and is zeroed afterwards), so no NaN ever appears.
+_MASKED = -1e30
+
+
+_ALL_SLOTS = ("pre_query", "pre_key", "post_query", "post_key")
+_COMPOSE_TERMS = ("kdd", "kw1", "kw2", "qdd", "qw1", "qw2", "static")
+
+
+# ---------------------------------------------------------------------------
+# Argument checks (static shapes only: unknown (None) sizes are not checked)
+# ---------------------------------------------------------------------------
+
+def _shape(x):
+    return tuple(x.shape)
+
+
+def _fits(shape, expected):
+    """shape matches expected; None in either (unknown / free) matches anything."""
+    return len(shape) == len(expected) and all(
+        a is None or b is None or a == b for a, b in zip(shape, expected))
+
+
+def _fmt(expected, free=()):
+    """(2, 3, R, 4)-style text: ``free`` maps positions to a letter."""
+    return "(" + ", ".join(dict(free).get(i, str(v)) for i, v in enumerate(expected)) + (
+        ",)" if len(expected) == 1 else ")")
+
+
+def _check_positive_int(name, value, allow_none=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        what = "None or a positive integer" if allow_none else "a positive integer"
+        raise ValueError(f"`{name}` must be {what}. Received: {name}={value!r}")
+
+
+def _check_groups(num_groups, N):
+    _check_positive_int("num_groups", num_groups)
+    if N is not None and N % num_groups:
+        raise ValueError(f"`num_groups` must divide the number of heads N={N}. "
+                         f"Received: num_groups={num_groups}")
+
+
+def _check_terms(stage, terms, B, T, S, G, M):
+    """Names, pairs and shapes of one stage's compose terms."""
+    label = (lambda n: f"{stage}['{n}']") if stage else (lambda n: n)
+    unknown = sorted(set(terms) - set(_COMPOSE_TERMS))
+    if unknown:
+        raise ValueError(f"`{stage}` has unknown compose terms {unknown}. Expected a subset of "
+                         f"{list(_COMPOSE_TERMS)}")
+    for a, b in (("qw1", "qw2"), ("kw1", "kw2")):
+        present = [n for n in (a, b) if n in terms]
+        if len(present) == 1:
+            raise ValueError(f"`{stage}` must have both '{a}' and '{b}' or neither. "
+                             f"Received: {present}")
+
+    def check(name, expected, letters, free=()):
+        shape = _shape(terms[name])
+        if not _fits(shape, expected):
+            raise ValueError(f"`{label(name)}` must have shape {letters} = "
+                             f"{_fmt(expected, free)}. Received: {label(name)}.shape={shape}")
+
+    for side, L in (("q", T), ("k", S)):
+        letter = "T" if side == "q" else "S"
+        if side + "w1" in terms:
+            check(side + "w1", (B, L, G, None, M), f"(B, {letter}, G, R, M)", {3: "R"})
+            R = _shape(terms[side + "w1"])[3]
+            check(side + "w2", (B, L, G, R, M), f"(B, {letter}, G, R, M)",
+                  {3: "R"} if R is None else ())
+        if side + "dd" in terms:
+            check(side + "dd", (B, L, G, M), f"(B, {letter}, G, M)")
+    if "static" in terms:
+        check("static", (G, M, M), "(G, M, M)")
+
+
+def _check_mask(attention_mask, B, T, S):
+    """Refuse float masks and masks that do not broadcast to (B, T, S)."""
+    if attention_mask is None:
+        return
+    dtype = keras.backend.standardize_dtype(attention_mask.dtype)
+    if dtype != "bool" and not dtype.startswith(("int", "uint")):
+        raise TypeError("`attention_mask` must be boolean (True = attend) or integer (1 = "
+                        f"attend). Received: attention_mask.dtype={dtype}")
+    shape = _shape(attention_mask)
+    if len(shape) == 4 and shape[1] not in (1, None):
+        raise ValueError("A rank-4 `attention_mask` must have a head axis of size 1 (the mask "
+                         f"is shared by all heads). Received: attention_mask.shape={shape}")
+    core = shape[:1] + shape[2:] if len(shape) == 4 else shape
+    if len(core) > 3 or not all(a in (1, None) or b is None or a == b
+                                 for a, b in zip(core[::-1], (S, T, B))):
+        raise ValueError(f"`attention_mask` must broadcast to (B, T, S) = {(B, T, S)}. "
+                         f"Received: attention_mask.shape={shape}")
+
+
+def _check_qkv(q, k, v):
+    for name, x, letters in (("q", q, "(B, T, N, d)"), ("k", k, "(B, S, N_kv, d)"),
+                             ("v", v, "(B, S, N_kv, d_v)")):
+        if len(x.shape) != 4:
+            raise ValueError(f"`{name}` must have rank 4 {letters}. "
+                             f"Received: {name}.shape={_shape(x)}")
+    qs, ks, vs = _shape(q), _shape(k), _shape(v)
+    if not _fits(qs[3:], ks[3:]):
+        raise ValueError("`q` and `k` must have the same head size d. "
+                         f"Received: q.shape={qs}, k.shape={ks}")
+    if not _fits(ks[:3], vs[:3]):
+        raise ValueError("`k` and `v` must have the same batch, length and heads (B, S, N_kv). "
+                         f"Received: k.shape={ks}, v.shape={vs}")
+    if not _fits(qs[:1], ks[:1]):
+        raise ValueError("`q` and `k` must have the same batch size. "
+                         f"Received: q.shape={qs}, k.shape={ks}")
+    if None not in (qs[2], ks[2]) and qs[2] % ks[2]:
+        raise ValueError(f"The heads of `q` (N={qs[2]}) must be a multiple of the heads of `k` "
+                         f"(N_kv={ks[2]}). Received: q.shape={qs}, k.shape={ks}")
+
+
+# ---------------------------------------------------------------------------
+# Small pieces
+# ---------------------------------------------------------------------------
+
+def rms_normalize(x, eps, scale=None):
+    """x / sqrt(mean(x**2, -1) + eps), times ``scale`` if given."""
+    y = x * ops.rsqrt(ops.mean(ops.square(x), axis=-1, keepdims=True) + eps)
+    return y if scale is None else y * scale
+
+
+def rope(x, positions, max_wavelength):
+    """Rotary embedding, rotate-half layout (pairs (i, i + d/2)).
+
+    x: (B, L, H, d) float32; positions: (L,) absolute positions (int or float
+    tensor; may be offset by a traced ``cache_update_index``).
+    """
+    if len(x.shape) != 4 or (x.shape[-1] is not None and x.shape[-1] % 2):
+        raise ValueError("`x` must have rank 4 (B, L, H, d) with an even d. "
+                         f"Received: x.shape={_shape(x)}")
+    if len(positions.shape) != 1 or not _fits(_shape(positions), (x.shape[1],)):
+        raise ValueError(f"`positions` must have shape (L,) = ({x.shape[1]},). "
+                         f"Received: positions.shape={_shape(positions)}")
+    d = x.shape[-1]
+    half = d // 2
+    inv_freq = ops.power(float(max_wavelength),
+                         -ops.arange(half, dtype="float32") * (2.0 / d))
+    angle = ops.cast(positions, "float32")[:, None] * inv_freq[None, :]   # (L, d/2)
+    cos = ops.cos(angle)[None, :, None, :]
+    sin = ops.sin(angle)[None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return ops.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+# ---------------------------------------------------------------------------
+# Dynamic weights
+# ---------------------------------------------------------------------------
+
+def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approximate=True):
+    """Input-dependent composition weights, in float32.
+
+    Args:
+        x: (B, L, D) input of the side (query or key).
+        dw1: (D, G, C, K) or None; qkw: (G, C, K, 2R, M) or None (projection).
+        dd: (D, G, C*M) or None (gating). C = len(slots).
+        slots: slot names, in the order of the C axis.
+        rank: R.
+
+    Returns:
+        ``{slot: {"w1": (B, L, G, R, M), "w2": (B, L, G, R, M), "dd": (B, L, G, M)}}``;
+        "w1"/"w2" only with a projection, "dd" only with gating.
+    """
+    _check_dynamic_args(x, dw1, qkw, dd, slots, rank)
+    x = ops.cast(x, "float32")
+    out = {s: {} for s in slots}
+    if dw1 is not None:
+        h = ops.gelu(ops.einsum("bld,dgck->blgck", x, ops.cast(dw1, "float32")),
+                     approximate=gelu_approximate)
+        w = ops.einsum("blgck,gckrm->blgcrm", h, ops.cast(qkw, "float32"))
+        w1 = rms_normalize(w[..., :rank, :], W1_NORM_EPS)
+        w2 = w[..., rank:, :]
+        for c, s in enumerate(slots):
+            out[s]["w1"] = w1[:, :, :, c]
+            out[s]["w2"] = w2[:, :, :, c]
+    if dd is not None:
+        D, G, CM = dd.shape
+        dd4 = ops.reshape(ops.cast(dd, "float32"), (D, G, len(slots), CM // len(slots)))
+        g = ops.tanh(ops.einsum("bld,dgcm->blgcm", x, dd4))
+        for c, s in enumerate(slots):
+            out[s]["dd"] = g[:, :, :, c]
+    return out
+
+
+def _check_dynamic_args(x, dw1, qkw, dd, slots, rank):
+    if len(x.shape) != 3:
+        raise ValueError(f"`x` must have rank 3 (B, L, D). Received: x.shape={_shape(x)}")
+    if (isinstance(slots, str) or not isinstance(slots, (tuple, list)) or not slots
+            or any(sl not in _ALL_SLOTS for sl in slots)):
+        raise ValueError(f"`slots` must be a sequence of slot names from {_ALL_SLOTS}. "
+                         f"Received: slots={slots!r}")
+    _check_positive_int("rank", rank)
+    if (dw1 is None) != (qkw is None):
+        got = lambda n, w: f"{n}=None" if w is None else f"{n}.shape={_shape(w)}"
+        raise ValueError("`dw1` and `qkw` must be given together. "
+                         f"Received: {got('dw1', dw1)}, {got('qkw', qkw)}")
+    D, C = x.shape[-1], len(slots)
+    if dw1 is not None:
+        if not _fits(_shape(dw1), (D, None, C, None)):
+            raise ValueError(f"`dw1` must have shape (D, G, C, K) = ({D}, G, {C}, K) (D: the "
+                             "width of `x`, C: the number of slots). "
+                             f"Received: dw1.shape={_shape(dw1)}")
+        G, K = dw1.shape[1], dw1.shape[3]
+        if not _fits(_shape(qkw), (G, C, K, 2 * rank, None)):
+            raise ValueError(f"`qkw` must have shape (G, C, K, 2R, M) = ({G}, {C}, {K}, "
+                             f"{2 * rank}, M). Received: qkw.shape={_shape(qkw)}")
+    if dd is not None:
+        G = "G" if dw1 is None else dw1.shape[1]
+        shape = _shape(dd)
+        if (len(shape) != 3 or not _fits(shape[:1], (D,))
+                or (dw1 is not None and not _fits(shape[1:2], (G,)))
+                or (shape[2] is not None and shape[2] % C)):
+            raise ValueError(f"`dd` must have shape (D, G, C*M) = ({D}, {G}, {C}*M). "
+                             f"Received: dd.shape={shape}")
+
+
+def stage_terms(stage, query_dynamic=None, key_dynamic=None, static=None):
+    """The ``compose`` keyword arguments of one stage ("pre" or "post").
+
+    query_dynamic / key_dynamic: ``{slot: {...}}`` as returned by
+    ``dynamic_weights`` (slots ``<stage>_query`` / ``<stage>_key`` are read).
+    """
+    kw = {}
+    q = (query_dynamic or {}).get(stage + "_query", {})
+    k = (key_dynamic or {}).get(stage + "_key", {})
+    if "w1" in q:
+        kw.update(qw1=q["w1"], qw2=q["w2"])
+    if "dd" in q:
+        kw["qdd"] = q["dd"]
+    if "w1" in k:
+        kw.update(kw1=k["w1"], kw2=k["w2"])
+    if "dd" in k:
+        kw["kdd"] = k["dd"]
+    if static is not None:
+        kw["static"] = static
+    return kw
+
+
+# ---------------------------------------------------------------------------
+# Compose
+# ---------------------------------------------------------------------------
+
+def compose_matrices(terms, num_heads_per_group):
+    """The two small factors of compose, in float32 (M = ``num_heads_per_group``).
+
+    Returns (wq, wk): wq is the query-side block transposed, [n, m] =
+    I + static[m, n] + sum_r qw1[r, m] qw2[r, n] + diag(qdd)[m, n], of shape
+    (B, T, G, M, M), or (G, M, M) with static terms only, or None without
+    query-side or static terms (the residual is then added as is); wk is the key-side
+    block transposed, sum_r kw1[r, m] kw2[r, n] + diag(kdd), (B, S, G, M, M),
+    or None without key-side terms. Neither has an S (resp. T) axis, so
+    folding every term and the residual into them costs nothing and leaves
+    one contraction with the big tensor per side.
+    """
+    M = num_heads_per_group
+    eye = ops.eye(M, dtype="float32")
+    wq = None
+    if any(n in terms for n in ("static", "qw1", "qdd")):
+        wq = eye                                    # the residual
+    if "static" in terms:
+        wq = wq + ops.transpose(ops.cast(terms["static"], "float32"), (0, 2, 1))
+    if "qw1" in terms:
+        wq = wq + ops.einsum("btgrm,btgrn->btgnm", terms["qw1"], terms["qw2"])
+    if "qdd" in terms:
+        wq = wq + terms["qdd"][..., :, None] * eye
+    wk = None
+    if "kw1" in terms:
+        wk = ops.einsum("bsgrm,bsgrn->bsgnm", terms["kw1"], terms["kw2"])
+    if "kdd" in terms:
+        gate = terms["kdd"][..., :, None] * eye
+        wk = gate if wk is None else wk + gate
+    return wq, wk
+
+
+def _compose_qm(x, wq, wk):
+    """Compose on the query-major view x: (B, T, G, M, S) -> same (float32).
+
+    The query side is one batched (M x M) @ (M x S) matmul per (b, t, g); the
+    key side the same on the transposed view (B, S, G, M, T). A matmul per
+    side beats low-rank broadcasts on every backend (measured: CPU training
+    step, benchmarks/layer_step.py), and reads the big tensor once per side.
+    """
+    out = x if wq is None else ops.matmul(wq, x)
+    if wk is not None:
+        xk = ops.transpose(x, (0, 4, 2, 3, 1))                          # (B, S, G, M, T)
+        out = out + ops.transpose(ops.matmul(wk, xk), (0, 4, 2, 3, 1))
+    return out
+
+
+def compose(a, num_groups, *, qw1=None, qw2=None, kw1=None, kw2=None, qdd=None, kdd=None,
+            static=None):
+    """Mix the heads of ``a`` (B, N, T, S) within each of G groups (float32).
+
+    qw1, qw2: (B, T, G, R, M); kw1, kw2: (B, S, G, R, M); qdd: (B, T, G, M);
+    kdd: (B, S, G, M); static: (G, M, M). Any term may be None. Every term reads
+    ``a`` (see ``dcmha.spec.reference.compose``).
+    """
+    terms = {n: v for n, v in dict(qw1=qw1, qw2=qw2, kw1=kw1, kw2=kw2, qdd=qdd, kdd=kdd,
+                                    static=static).items() if v is not None}
+    if len(a.shape) != 4:
+        raise ValueError(f"`a` must have rank 4 (B, N, T, S). Received: a.shape={_shape(a)}")
+    _check_groups(num_groups, a.shape[1])
+    G = num_groups
+    _check_terms("", terms, a.shape[0], a.shape[2], a.shape[3], G,
+                 None if a.shape[1] is None else a.shape[1] // G)
+    terms = {n: ops.cast(v, "float32") for n, v in terms.items()}
+    a = ops.cast(a, "float32")
+    if not terms:
+        return a
+    B, N, T, S = ops.shape(a)
+    x = ops.transpose(ops.reshape(a, (B, G, N // G, T, S)), (0, 3, 1, 2, 4))
+    out = _compose_qm(x, *compose_matrices(terms, N // G))
+    return ops.reshape(ops.transpose(out, (0, 2, 3, 1, 4)), (B, N, T, S))
+
+
+# ---------------------------------------------------------------------------
+# Masks
+# ---------------------------------------------------------------------------
+
+def _block_mask(attention_mask, t0, t1, s0, s1, *, use_causal_mask, sliding_window,
+                query_offset):
+    """The boolean mask of queries [t0, t1) x keys [s0, s1): (B or 1, t, s), or None.
+
+    Query t sits at absolute position ``query_offset + t``, key s at s.
+    """
+    mask = None
+    if use_causal_mask or sliding_window is not None:
+        t = ops.arange(t0, t1, dtype="int32")[:, None] + ops.cast(query_offset, "int32")
+        s = ops.arange(s0, s1, dtype="int32")[None, :]
+        if use_causal_mask:
+            mask = ops.less_equal(s, t)
+        if sliding_window is not None:
+            band = ops.less(ops.abs(t - s), sliding_window)
+            mask = band if mask is None else ops.logical_and(mask, band)
+        mask = mask[None]
+    if attention_mask is not None:
+        m = _slice_mask(attention_mask, t0, t1, s0, s1)
+        mask = m if mask is None else ops.logical_and(mask, m)
+    return mask
+
+
+def _slice_mask(m, t0, t1, s0, s1):
+    """m[:, t0:t1, s0:s1], leaving broadcast (size-1) axes whole."""
+    if m.shape[1] != 1:
+        m = m[:, t0:t1]
+    if m.shape[2] != 1:
+        m = m[:, :, s0:s1]
+    return m
+
+
+def _standardize_mask(attention_mask):
+    """Boolean rank-3 (B|1, T|1, S|1) mask, or None."""
+    if attention_mask is None:
+        return None
+    m = ops.cast(attention_mask, "bool")             # integer masks: nonzero = attend
+    while len(m.shape) < 3:
+        m = m[None]
+    if len(m.shape) == 4:   # (B, 1, T, S): Keras accepts a broadcast head axis
+        m = m[:, 0]
+    return m
+
+
+# ---------------------------------------------------------------------------
+# The attention core
+# ---------------------------------------------------------------------------
+
+def _attend_block(qh, kt, vt, pre, post, mask, *, num_groups, dropout_rate, seed, training,
+                  want_scores, want_intermediates, rows_may_be_empty=True):
+    """One query block, composed in the query-major layout (B, t, G, M, s).
+
+    qh: (B, N_kv, t, rep, d) pre-scaled queries (head n = kv * rep + r reads kv
+    head n // rep, so GQA never repeats k or v); kt: (B, N_kv, d, s);
+    vt: (B, N_kv, s, d_v); pre / post: (wq, wk) from ``compose_matrices``
+    sliced to the block, or None; mask: (B|1, t, s) or None.
+    Returns (o (B, t, N, d_v), extras) with extras["attention_scores"] etc. in
+    (B, G, M, t, s) when asked for.
+    """
+    B, N_kv, t, rep, d = ops.shape(qh)
+    s = ops.shape(kt)[3]
+    N, G = N_kv * rep, num_groups
+    M = N // G
+    scores = ops.matmul(ops.reshape(qh, (B, N_kv, t * rep, d)), kt)
+    x = ops.reshape(ops.transpose(ops.reshape(scores, (B, N_kv, t, rep, s)), (0, 2, 1, 3, 4)),
+                    (B, t, G, M, s))
+    extras = {}
+    to5 = lambda a: ops.transpose(a, (0, 2, 3, 1, 4))                 # -> (B, G, M, t, s)
+    if want_intermediates:
+        extras["scores"] = to5(x)
+    if pre:
+        x = _compose_qm(x, *pre)
+    if want_intermediates:
+        extras["pre_composed"] = to5(x)
+    m5 = None if mask is None else mask[:, :, None, None, :]           # (B|1, t, 1, 1, s)
+    if m5 is not None:
+        x = ops.where(m5, x, _MASKED)
+    # A single visible key (e.g. the first causal chunk of size 1): softmax is 1.
+    p = ops.ones_like(x) if x.shape[-1] == 1 else ops.softmax(x, axis=-1)
+    if want_intermediates:
+        extras["probs"] = to5(p if m5 is None else ops.where(m5, p, 0.0))
+    if post:
+        p = _compose_qm(p, *post)
+    # Partially masked rows are already exactly 0 where masked (softmax of
+    # -1e30, then a per-(t, s) head mix of zeros); only fully masked rows
+    # (uniform after softmax) need zeroing, which is done on the small output.
+    if want_scores:
+        extras["attention_scores"] = to5(p if m5 is None else ops.where(m5, p, 0.0))
+    if training and dropout_rate > 0.0:
+        p = keras.random.dropout(p, dropout_rate, seed=seed)
+    pv = ops.reshape(ops.transpose(ops.reshape(p, (B, t, N_kv, rep, s)), (0, 2, 1, 3, 4)),
+                     (B, N_kv, t * rep, s))
+    d_v = vt.shape[-1]
+    o = ops.reshape(ops.matmul(pv, vt), (B, N_kv, t, rep, d_v))
+    o = ops.reshape(ops.transpose(o, (0, 2, 1, 3, 4)), (B, t, N, d_v))
+    if mask is not None and rows_may_be_empty:
+        row = ops.cast(ops.any(mask, axis=-1), "float32")            # (B|1, t)
+        o = o * row[:, :, None, None]
+    return o, extras
+
+
+def _key_range(t0, t1, S, *, use_causal_mask, sliding_window, query_offset):
+    """Keys [s0, s1) that queries [t0, t1) can see, from static knowledge only."""
+    if not isinstance(query_offset, int):
+        return 0, S
+    s0, s1 = 0, S
+    if use_causal_mask:
+        s1 = min(S, t1 - 1 + query_offset + 1)
+    if sliding_window is not None:
+        s0 = max(0, t0 + query_offset - sliding_window + 1)
+        if not use_causal_mask:
+            s1 = min(S, t1 - 1 + query_offset + sliding_window)
+    return s0, s1
+
+
+def _on_cpu():
+    """Whether the backend computes on the CPU (no accelerator visible)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+        return jax.default_backend() == "cpu"
+    if backend == "torch":
+        import torch
+        return not torch.cuda.is_available()
+    if backend == "tensorflow":
+        import tensorflow as tf
+        return not tf.config.list_logical_devices("GPU")
+    return True
+
+
+def auto_query_chunk_size(batch, num_heads, key_length, query_length, block_bytes=None):
+    """A query chunk size for ``implementation="auto"`` (None = no chunking).
+
+    On CPU the (B, N, chunk, S) float32 blocks of the attention step stay in
+    cache at a few MiB, which makes every elementwise pass several times
+    faster (measured: 64 queries at B=2, N=8, S=1024 is the fastest training
+    step); chunking also skips the key blocks a causal mask hides. On an
+    accelerator the blocks are larger (fewer, bigger kernels).
+    """
+    if not all(isinstance(v, int) for v in (batch, num_heads, key_length, query_length)):
+        return None
+    if block_bytes is None:
+        block_bytes = 4 * 2 ** 20 if _on_cpu() else 256 * 2 ** 20
+    chunk = block_bytes // (4 * max(1, batch * num_heads * key_length))
+    chunk = 2 ** int(math.log2(max(16, min(1024, chunk))))
+    return chunk if chunk < query_length else None
+
+
+def _split(x, bounds, axis=1):
+    """Pieces of x along ``axis`` at ``bounds`` [(start, stop), ...] (one op)."""
+    if len(bounds) == 1:
+        return [x]
+    return ops.split(x, [b[0] for b in bounds[1:]], axis=axis)
+
+
+def _join(parts, axis=1):
+    return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=axis)
+
+
+def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask,
+                   sliding_window, query_offset, query_chunk_size, dropout_rate, seed,
+                   training, return_attention_scores, return_intermediates, auto_chunk):
+    """The plain ``keras.ops`` attention core (see ``dcmha_attention``).
+
+    Chunked queries read only the key blocks a causal mask or window leaves
+    visible. Every per-position tensor is split once into blocks and a chunk
+    concatenates the blocks it reads: slicing the full tensor per chunk would
+    make autodiff (torch, TF) build a zero gradient of the full size per chunk.
+    """
+    q = ops.cast(q, "float32") * (1.0 / math.sqrt(q.shape[-1]))
+    k = ops.cast(k, "float32")
+    v = ops.cast(v, "float32")
+    B, T, N, _ = ops.shape(q)
+    S = ops.shape(k)[1]
+    G, M, d_v = num_groups, N // num_groups, v.shape[-1]
+    mask = _standardize_mask(attention_mask)
+    static_T = isinstance(T, int) and isinstance(S, int)
+    chunk = query_chunk_size
+    if chunk is None and auto_chunk and static_T and not return_intermediates:
+        chunk = auto_query_chunk_size(B, N, S, T)
+    if not static_T or chunk is None or chunk >= T:
+        q_bounds, k_bounds = [(0, T)], [(0, S)]
+    else:
+        q_bounds = [(t0, min(T, t0 + chunk)) for t0 in range(0, T, chunk)]
+        k_bounds = [(s0, min(S, s0 + chunk)) for s0 in range(0, S, chunk)]
+    wanted = (["attention_scores"] if return_attention_scores else []) + (
+        ["scores", "pre_composed", "probs"] if return_intermediates else [])
+
+    # Head-major copies, made once: each block is then two plain batched matmuls.
+    N_kv = k.shape[2]
+    q_parts = _split(ops.transpose(ops.reshape(q, (B, T, N_kv, N // N_kv, q.shape[-1])),
+                                   (0, 2, 1, 3, 4)), q_bounds, axis=2)
+    k_parts = _split(ops.transpose(k, (0, 2, 3, 1)), k_bounds, axis=3)   # (B, N_kv, d, S)
+    v_parts = _split(ops.transpose(v, (0, 2, 1, 3)), k_bounds, axis=2)   # (B, N_kv, S, d_v)
+    full_mask = None
+    if len(q_bounds) > 1 and T * S <= 2 ** 24:      # one mask, sliced per block
+        full_mask = _block_mask(mask, 0, T, 0, S, use_causal_mask=use_causal_mask,
+                                sliding_window=sliding_window, query_offset=query_offset)
+    # The composition matrices are built once for all positions and split
+    # like q and k, so the chunk loop holds only the big per-block work.
+    stages = {}
+    for name, terms in (("pre", pre), ("post", post)):
+        if terms:
+            wq, wk = compose_matrices(terms, M)
+            per_query = wq is not None and len(wq.shape) == 5
+            stages[name] = (_split(wq, q_bounds) if per_query else [wq] * len(q_bounds),
+                            None if wk is None else _split(wk, k_bounds))
+    # Causal attention with a static offset >= 0 always sees key 0: no empty row.
+    rows_may_be_empty = not (mask is None and sliding_window is None and use_causal_mask
+                             and isinstance(query_offset, int) and query_offset >= 0)
+
+    outs, extras = [], []
+    for i, (t0, t1) in enumerate(q_bounds):
+        j0, j1 = 0, len(k_bounds)
+        if len(k_bounds) > 1:
+            s0, s1 = _key_range(t0, t1, S, use_causal_mask=use_causal_mask,
+                                sliding_window=sliding_window, query_offset=query_offset)
+            j0, j1 = s0 // chunk, -(-s1 // chunk)
+        if j1 <= j0:                                # every key of the chunk is masked
+            outs.append(ops.zeros((B, t1 - t0, N, d_v), "float32"))
+            extras.append({n: ops.zeros((B, G, M, t1 - t0, S), "float32") for n in wanted})
+            continue
+        s0, s1 = k_bounds[j0][0], k_bounds[j1 - 1][1]
+        if full_mask is not None:
+            blk_mask = _slice_mask(full_mask, t0, t1, s0, s1)
+        else:
+            blk_mask = _block_mask(mask, t0, t1, s0, s1, use_causal_mask=use_causal_mask,
+                                   sliding_window=sliding_window, query_offset=query_offset)
+        blk = {name: (wq[i], None if wk is None else _join(wk[j0:j1]))
+               for name, (wq, wk) in stages.items()}
+        o, ex = _attend_block(
+            q_parts[i], _join(k_parts[j0:j1], 3), _join(v_parts[j0:j1], 2), blk.get("pre"),
+            blk.get("post"), blk_mask, num_groups=G, dropout_rate=dropout_rate, seed=seed,
+            training=training, want_scores=return_attention_scores,
+            want_intermediates=return_intermediates, rows_may_be_empty=rows_may_be_empty)
+        if len(k_bounds) > 1 and (s0, s1) != (0, S):    # back to the full key axis
+            pad = [(0, 0)] * 4 + [(s0, S - s1)]
+            ex = {n: ops.pad(a, pad) for n, a in ex.items()}
+        outs.append(o)
+        extras.append(ex)
+    o = _join(outs)
+    result = {}
+    for name in wanted:
+        a = extras[0][name] if len(extras) == 1 else ops.concatenate(
+            [e[name] for e in extras], axis=3)
+        result[name] = ops.reshape(a, (B, N, T, S))
+    return o, result
+
+
+#: Attention cores by name; fast paths register here. Each takes the arguments
+#: of ``_attention_ops`` and returns (o, extras).
+IMPLEMENTATIONS = {"ops": _attention_ops}
+
+
+def resolve_implementation(implementation):
+    """The registered core name that ``implementation`` stands for."""
+    if implementation == "auto":
+        return "ops"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            "`implementation` must be one of "
+            f"{sorted(('auto',) + tuple(IMPLEMENTATIONS))}. "
+            f"Received: implementation={implementation!r}")
+    return implementation
+
+
+def dcmha_attention(q, k, v, *, num_groups=1, pre=None, post=None, attention_mask=None,
+                    use_causal_mask=False, sliding_window=None, query_offset=0,
+                    query_chunk_size=None, dropout_rate=0.0, seed=None, training=False,
+                    return_attention_scores=False, return_intermediates=False,
+                    implementation="auto"):
+    """DCMHA on projected heads: scores -> pre-compose -> mask -> softmax ->
+    post-compose -> zero masked -> dropout -> P.V.
+
+    Args:
+        q: (B, T, N, d); k: (B, S, N_kv, d); v: (B, S, N_kv, d_v) (after bias,
+            QK-norm and RoPE). Query head n reads kv head n // (N / N_kv).
+        num_groups: G.
+        pre, post: compose terms of each stage (see the module docstring), with
+            query-side terms over T and key-side terms over S. None or {} skips
+            the stage.
+        attention_mask: boolean, broadcastable to (B, T, S), True = attend.
+        use_causal_mask: keys s <= query_offset + t only.
+        sliding_window: keys with |query_offset + t - s| < sliding_window only.
+        query_offset: absolute position of query 0 (int or scalar tensor).
+        query_chunk_size: process queries in chunks of this size (the largest
+            intermediate is then (B, N, chunk, S)); key blocks a causal mask or
+            window hides are skipped.
+        dropout_rate, seed, training: dropout on the composed probabilities
+            (seed: a ``keras.random.SeedGenerator``, int or None).
+        return_attention_scores: also return the post-composed masked
+            probabilities (B, N, T, S).
+        return_intermediates: also return "scores", "pre_composed", "probs"
+            (B, N, T, S) (for tests and conformance).
+        implementation: "auto" or a key of ``IMPLEMENTATIONS``.
+
+    Returns:
+        o (B, T, N, d_v) float32, or (o, extras) when scores or intermediates are
+        asked for (a dict with "attention_scores" and/or the intermediates).
+    """
+    name = resolve_implementation(implementation)
+    _check_qkv(q, k, v)
+    (B, T, N, _), S = _shape(q), k.shape[1]
+    _check_groups(num_groups, N)
+    if (isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float))
+            or not 0.0 <= dropout_rate < 1.0):
+        raise ValueError("`dropout_rate` must be a float in [0, 1). "
+                         f"Received: dropout_rate={dropout_rate!r}")
+    _check_positive_int("sliding_window", sliding_window, allow_none=True)
+    _check_positive_int("query_chunk_size", query_chunk_size, allow_none=True)
+    if not hasattr(query_offset, "shape") and (
+            isinstance(query_offset, bool) or not isinstance(query_offset, (int, np.integer))
+            or query_offset < 0):
+        raise ValueError("`query_offset` must be a non-negative integer. "
+                         f"Received: query_offset={query_offset!r}")
+    _check_mask(attention_mask, B, T, S)
+    for stage, terms in (("pre", pre), ("post", post)):
+        if terms:
+            _check_terms(stage, terms, B, T, S, num_groups,
+                         None if N is None else N // num_groups)
+    pre, post = ({n: ops.cast(w, "float32") for n, w in terms.items()} if terms else None
+                 for terms in (pre, post))
+    o, extras = IMPLEMENTATIONS[name](
+        q, k, v, num_groups=num_groups, pre=pre, post=post,
+        attention_mask=attention_mask, use_causal_mask=use_causal_mask,
+        sliding_window=sliding_window, query_offset=query_offset,
+        query_chunk_size=query_chunk_size, dropout_rate=dropout_rate, seed=seed,
+        training=training, return_attention_scores=return_attention_scores,
+        return_intermediates=return_intermediates, auto_chunk=implementation == "auto")
+    if return_attention_scores or return_intermediates:
+        return o, extras
+    return o

@@ -1,0 +1,355 @@
+"""DCMHA layer API: argument validation, config, saving, symbolic shapes, canonical weights.
+
+Runs on the Keras backend of the process (KERAS_BACKEND=jax|torch|tensorflow).
+"""
+
+import re
+
+import numpy as np
+import pytest
+
+import keras
+from keras import ops
+
+import dcmha
+from dcmha.layers import DCMHA, DynamicWeightProjection
+from dcmha.spec import reference
+
+BACKEND = keras.backend.backend()
+
+
+def np_(x):
+    return np.asarray(ops.convert_to_numpy(x))
+
+
+# ---------------------------------------------------------------------------
+# __init__ validation
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_heads=0), "`num_heads` must be a positive integer. Received: num_heads=0"),
+    (dict(num_heads=4.0), "`num_heads` must be a positive integer. Received: num_heads=4.0"),
+    (dict(key_dim=-1), "`key_dim` must be a positive integer. Received: key_dim=-1"),
+    (dict(rank=0), "`rank` must be a positive integer. Received: rank=0"),
+    (dict(value_dim=0), "`value_dim` must be None or a positive integer. Received: value_dim=0"),
+    (dict(query_chunk_size=0),
+     "`query_chunk_size` must be None or a positive integer. Received: query_chunk_size=0"),
+    (dict(sliding_window=True),
+     "`sliding_window` must be None or a positive integer. Received: sliding_window=True"),
+    (dict(num_groups=3), "`num_heads` must be divisible by `num_groups`. "
+                         "Received: num_heads=4, num_groups=3"),
+    (dict(num_key_value_heads=3), "`num_heads` must be divisible by `num_key_value_heads`. "
+                                  "Received: num_heads=4, num_key_value_heads=3"),
+    (dict(key_dim=7, rope_max_wavelength=100.0),
+     "RoPE needs an even `key_dim`. Received: key_dim=7"),
+    (dict(rope_max_wavelength=-1.0),
+     "`rope_max_wavelength` must be None or positive. Received: rope_max_wavelength=-1.0"),
+    (dict(rope_max_wavelength="big"),
+     "`rope_max_wavelength` must be None or a positive number. "
+     "Received: rope_max_wavelength='big'"),
+    (dict(pre_compose="yes"), "`pre_compose` must be a boolean. Received: pre_compose='yes'"),
+    (dict(cross_attention=1), "`cross_attention` must be a boolean. Received: cross_attention=1"),
+    (dict(dropout=1.0), "`dropout` must be a float in [0, 1). Received: dropout=1.0"),
+    (dict(dropout=-0.1), "`dropout` must be a float in [0, 1). Received: dropout=-0.1"),
+    (dict(output_shape=(4, 2)), "`output_shape` must be None, a positive integer or a 1-tuple "
+                                "of one. Received: output_shape=(4, 2)"),
+    (dict(output_shape=0), "`output_shape` must be None, a positive integer or a 1-tuple of "
+                           "one. Received: output_shape=0"),
+    (dict(implementation="cuda"), "`implementation` must be one of ['auto', 'ops']. "
+                                  "Received: implementation='cuda'"),
+    (dict(seed="7"), "`seed` must be None or an integer. Received: seed='7'"),
+])
+def test_init_rejects_bad_arguments(kwargs, message):
+    args = dict(num_heads=4, key_dim=8)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        DCMHA(**args)
+
+
+def test_init_accepts_implementations_and_output_shape_forms():
+    for impl in ("auto", "ops"):
+        assert DCMHA(4, 8, implementation=impl).implementation == impl
+    assert DCMHA(4, 8, output_shape=(5,)).get_config()["output_shape"] == 5
+    assert DCMHA(4, 8, output_shape=5).compute_output_shape((2, 3, 16), (2, 3, 16)) == (2, 3, 5)
+
+
+def test_dynamic_projection_rejects_bad_slots():
+    with pytest.raises(ValueError, match=re.escape(
+            "`slots` must be a non-empty subset of ('pre_query', 'pre_key', 'post_query', "
+            "'post_key'). Received: slots=('pre_value',)")):
+        DynamicWeightProjection(("pre_value",), num_heads=4)
+
+
+# ---------------------------------------------------------------------------
+# Config and saving
+# ---------------------------------------------------------------------------
+
+NON_DEFAULT = dict(num_heads=4, key_dim=6, value_dim=5, num_key_value_heads=2, num_groups=2,
+                   rank=1, dynamic_hidden_dim=3, query_wise=False, static_compose=True,
+                   gelu_approximate=False, qk_norm=True, rope_max_wavelength=500.0,
+                   sliding_window=4, query_chunk_size=3, dropout=0.25, use_bias=True,
+                   output_shape=7, implementation="ops", seed=3)
+
+
+def test_get_config_round_trip():
+    layer = DCMHA(**NON_DEFAULT, kernel_initializer="he_normal", name="att")
+    config = layer.get_config()
+    for k, v in NON_DEFAULT.items():
+        assert config[k] == v, k
+    clone = DCMHA.from_config(config)
+    assert clone.get_config() == config
+    assert clone.spec_config == layer.spec_config
+    json_cfg = keras.saving.serialize_keras_object(layer)
+    assert json_cfg["registered_name"] == "dcmha>DCMHA"
+
+
+def _model(layer, D=16, cross=False):
+    q = keras.Input((None, D), name="q")
+    if cross:
+        kv = keras.Input((None, 12), name="kv")
+        return keras.Model([q, kv], layer(q, kv, use_causal_mask=False))
+    return keras.Model(q, layer(q, q, use_causal_mask=True))
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_save_and_load_keras_file_without_custom_objects(tmp_path, rng, cross):
+    layer = DCMHA(num_heads=4, key_dim=8, static_compose=True, qk_norm=True, use_bias=True,
+                  rope_max_wavelength=100.0, cross_attention=cross, num_key_value_heads=2,
+                  name="dcmha")
+    model = _model(layer, cross=cross)
+    # Non-trivial weights: the default init keeps composition close to the identity.
+    layer.load_spec_weights({n: rng.standard_normal(w.shape).astype("float32") * 0.3
+                             for n, w in layer.spec_weights().items()})
+    x = rng.standard_normal((2, 5, 16)).astype("float32")
+    inputs = [x, rng.standard_normal((2, 7, 12)).astype("float32")] if cross else x
+    expected = model.predict(inputs, verbose=0)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    got = loaded.predict(inputs, verbose=0)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    loaded_layer = loaded.get_layer("dcmha")
+    assert isinstance(loaded_layer, DCMHA)
+    for n, w in layer.spec_weights().items():
+        np.testing.assert_array_equal(loaded_layer.spec_weights()[n], w)
+
+
+# ---------------------------------------------------------------------------
+# Shapes
+# ---------------------------------------------------------------------------
+
+def test_symbolic_call_with_unknown_lengths():
+    layer = DCMHA(num_heads=4, key_dim=8, output_shape=10)
+    q = keras.Input((None, 16))
+    kv = keras.Input((None, 16))
+    y, scores = layer(q, kv, return_attention_scores=True)
+    assert tuple(y.shape) == (None, None, 10)
+    assert tuple(scores.shape) == (None, 4, None, None)
+    assert scores.dtype == "float32"
+    model = keras.Model([q, kv], [y, scores])
+    for T, S in ((3, 5), (6, 2)):
+        out, sc = model.predict([np.ones((2, T, 16), "float32"), np.ones((2, S, 16), "float32")],
+                                verbose=0)
+        assert tuple(out.shape) == (2, T, 10)
+        assert tuple(sc.shape) == (2, 4, T, S)
+
+
+def test_compute_output_shape_and_spec_with_cache():
+    layer = DCMHA(num_heads=4, key_dim=8, num_key_value_heads=2)
+    assert layer.compute_output_shape((3, 5, 16), (3, 7, 16)) == (3, 5, 16)
+    layer.build((3, 5, 16), (3, 5, 16))
+    shapes = reference.cache_shapes(layer.spec_config, 3, 9)
+    cache = {n: keras.KerasTensor(s) for n, s in shapes.items()}
+    q = keras.KerasTensor((3, 2, 16))
+    y, scores, new_cache = layer.compute_output_spec(q, q, return_attention_scores=True,
+                                                     cache=cache, cache_update_index=0)
+    assert tuple(y.shape) == (3, 2, 16)
+    assert tuple(scores.shape) == (3, 4, 2, 9)
+    assert {n: tuple(t.shape) for n, t in new_cache.items()} == \
+        reference.cache_shapes(layer.spec_config, 3, 9)
+
+
+def test_call_validates_inputs_after_build():
+    layer = DCMHA(num_heads=4, key_dim=8)
+    x = np.zeros((2, 3, 16), "float32")
+    layer(x, x)
+    with pytest.raises(ValueError, match=re.escape(
+            "`query` must have last dimension 16 (the layer was built for it). "
+            "Received: query.shape=(2, 3, 12)")):
+        layer(np.zeros((2, 3, 12), "float32"), x)
+    with pytest.raises(ValueError, match=re.escape(
+            "`query` must have rank 3 (B, L, D). Received: query.shape=(3, 16)")):
+        layer(np.zeros((3, 16), "float32"), x)
+    with pytest.raises(ValueError, match=re.escape(
+            "`key` and `value` must have the same length. Received: value.shape=(2, 3, 16), "
+            "key.shape=(2, 4, 16)")):
+        layer(x, x, np.zeros((2, 4, 16), "float32"))
+
+
+def test_self_attention_needs_equal_widths():
+    layer = DCMHA(num_heads=4, key_dim=8)
+    with pytest.raises(ValueError, match=re.escape(
+            "Self-attention dynamic weights share one projection, so `query` and `key` must "
+            "have the same width. Received: query width 16, key width 12; use "
+            "cross_attention=True for separate projections.")):
+        layer(np.zeros((2, 3, 16), "float32"), np.zeros((2, 4, 12), "float32"))
+    # Without dynamic weights the widths may differ, as in MultiHeadAttention.
+    plain = DCMHA(num_heads=4, key_dim=8, dynamic_projection=False, dynamic_gating=False)
+    out = plain(np.zeros((2, 3, 16), "float32"), np.zeros((2, 4, 12), "float32"))
+    assert tuple(out.shape) == (2, 3, 16)
+
+
+def test_bad_cache_is_rejected():
+    layer = DCMHA(num_heads=4, key_dim=8)
+    x = np.zeros((1, 2, 16), "float32")
+    cache = layer.init_cache(1, 4) if layer.built else None
+    layer(x, x)
+    cache = layer.init_cache(1, 4)
+    del cache["pre_key_dd"]
+    with pytest.raises(ValueError, match=re.escape(
+            "`cache` must be a dict with keys ['key', 'post_key_dd', 'post_key_w1', "
+            "'post_key_w2', 'pre_key_dd', 'pre_key_w1', 'pre_key_w2', 'value'] (see "
+            "`init_cache`).")):
+        layer(x, x, cache=cache, cache_update_index=0)
+
+
+# ---------------------------------------------------------------------------
+# Variables and canonical weights
+# ---------------------------------------------------------------------------
+
+def test_variable_names():
+    layer = DCMHA(num_heads=4, key_dim=8, static_compose=True, qk_norm=True, use_bias=True,
+                  name="att")
+    layer.build((2, 3, 16), (2, 3, 16))
+    paths = sorted(v.path for v in layer.weights)
+    assert paths == sorted([
+        "att/query_kernel", "att/key_kernel", "att/value_kernel", "att/output_kernel",
+        "att/query_bias", "att/key_bias", "att/value_bias", "att/output_bias",
+        "att/static_pre", "att/static_post", "att/query_norm_scale", "att/key_norm_scale",
+        "att/dynamic_projection/dw1", "att/dynamic_projection/qkw",
+        "att/dynamic_projection/dd"])
+    assert isinstance(layer.dynamic_projection_layer, DynamicWeightProjection)
+
+    cross = DCMHA(num_heads=4, key_dim=8, cross_attention=True, dynamic_gating=False, name="x")
+    cross.build((2, 3, 16), (2, 5, 12))
+    assert sorted(v.path for v in cross.weights) == sorted([
+        "x/query_kernel", "x/key_kernel", "x/value_kernel", "x/output_kernel",
+        "x/query_dynamic_projection/dw1", "x/query_dynamic_projection/qkw",
+        "x/key_dynamic_projection/dw1", "x/key_dynamic_projection/qkw"])
+    assert sorted(cross.spec_weights()) == sorted(reference.param_shapes(cross.spec_config, 16, 12))
+
+
+@pytest.mark.parametrize("kwargs, cross", [
+    (dict(num_heads=4, key_dim=8, static_compose=True, qk_norm=True, use_bias=True,
+          num_key_value_heads=2, value_dim=6), False),
+    (dict(num_heads=4, key_dim=8, cross_attention=True, key_wise=False), True),
+    (dict(num_heads=4, key_dim=8, dynamic_projection=False, dynamic_gating=False), False),
+])
+def test_spec_weights_round_trip(reference_case, kwargs, cross):
+    case = reference_case(kwargs, D_kv=12 if cross else None, cross=cross, D_out=9)
+    layer = DCMHA(**kwargs, output_shape=9)
+    layer.load_spec_weights(case["params"])          # builds the layer from the shapes
+    assert layer.built
+    assert {n: w.shape for n, w in layer.spec_weights().items()} == reference.param_shapes(
+        case["cfg"], 16, 12 if cross else 16, 9)
+    for n, w in layer.spec_weights().items():
+        assert w.dtype == np.float32
+        np.testing.assert_array_equal(w, case["params"][n])
+
+
+def test_load_spec_weights_errors_and_atomicity(reference_case):
+    case = reference_case(dict(num_heads=4, key_dim=8))
+    layer = DCMHA(num_heads=4, key_dim=8, name="att")
+    layer.build((2, 6, 16), (2, 6, 16))
+    before = layer.spec_weights()
+    good = case["params"]
+
+    bad = dict(good, extra=np.zeros(3), another=np.zeros(1))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "Unknown weight names for DCMHA layer 'att': ['another', 'extra']. Expected names: "
+            "['dd', 'dw1', 'key_kernel', 'output_kernel', 'qkw', 'query_kernel', "
+            "'value_kernel']") + "$"):
+        layer.load_spec_weights(bad)
+
+    missing = {n: w for n, w in good.items() if n not in ("dd", "qkw")}
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "Missing weights for DCMHA layer 'att': ['dd', 'qkw']. Expected names: "
+            "['dd', 'dw1', 'key_kernel', 'output_kernel', 'qkw', 'query_kernel', "
+            "'value_kernel']") + "$"):
+        layer.load_spec_weights(missing)
+
+    # The shape error comes after the valid names were checked: nothing is half-loaded.
+    wrong = dict(good, value_kernel=np.zeros((16, 4, 4), "float32"))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "Wrong shape for weight 'value_kernel': expected (16, 4, 8), received (16, 4, 4).")
+            + "$"):
+        layer.load_spec_weights(wrong)
+    for n, w in layer.spec_weights().items():
+        np.testing.assert_array_equal(w, before[n])
+
+    layer.load_spec_weights(good)
+    for n, w in layer.spec_weights().items():
+        np.testing.assert_array_equal(w, good[n])
+
+
+def test_spec_weights_needs_a_built_layer():
+    with pytest.raises(ValueError, match=re.escape(
+            "DCMHA layer 'att' is not built yet: call it on inputs or call `build()` first.")):
+        DCMHA(4, 8, name="att").spec_weights()
+    with pytest.raises(ValueError, match=re.escape(
+            "DCMHA layer 'att' is not built and cannot be built from these weights: missing "
+            "['key_kernel', 'value_kernel'].")):
+        DCMHA(4, 8, name="att").load_spec_weights({"query_kernel": np.zeros((16, 4, 8))})
+
+
+def test_init_cache_shapes_and_dtype():
+    layer = DCMHA(num_heads=4, key_dim=8, num_key_value_heads=2, num_groups=2, rank=3,
+                  pre_compose=False, dtype="mixed_float16")
+    layer.build((2, 3, 16), (2, 3, 16))
+    cache = layer.init_cache(2, 11)
+    assert {n: tuple(c.shape) for n, c in cache.items()} == reference.cache_shapes(
+        layer.spec_config, 2, 11)
+    assert all(keras.backend.standardize_dtype(c.dtype) == "float16" for c in cache.values())
+    cache32 = layer.init_cache(2, 11, dtype="float32")
+    assert all(keras.backend.standardize_dtype(c.dtype) == "float32" for c in cache32.values())
+
+
+# ---------------------------------------------------------------------------
+# Initialisation
+# ---------------------------------------------------------------------------
+
+def test_initialisation_follows_the_spec():
+    D, N = 96, 16
+    layer = DCMHA(num_heads=N, key_dim=8, static_compose=True, seed=5)
+    layer.build((1, 2, D), (1, 2, D))
+    cfg = layer.spec_config
+    M, R, K = cfg.M, cfg.R, cfg.K
+    w = layer.spec_weights()
+    expected_std = {
+        "dw1": np.sqrt(2.0 / (D + K)),
+        "qkw": np.sqrt(1.0 / K) * 2.0 / (M + R) * 0.01,
+        "dd": np.sqrt(2.0 / (D + M)) * 0.005,
+        "static_pre": np.sqrt(1.0 / M) * 0.1,
+        "static_post": np.sqrt(1.0 / M) * 0.1,
+    }
+    for name, std in expected_std.items():
+        # >= 256 samples per tensor: the sample std is within 20% of sigma.
+        assert w[name].size >= 256, name
+        assert abs(w[name].std() / std - 1.0) < 0.2, (name, w[name].std(), std)
+        assert abs(w[name].mean()) < 4 * std / np.sqrt(w[name].size), name
+    # Keras kernel_initializer for the projections, zero-free and distinct.
+    assert not np.allclose(w["query_kernel"], w["key_kernel"][:, :, :])
+    # Seeded: the same seed gives the same weights, another seed others.
+    again = DCMHA(num_heads=N, key_dim=8, static_compose=True, seed=5)
+    again.build((1, 2, D), (1, 2, D))
+    other = DCMHA(num_heads=N, key_dim=8, static_compose=True, seed=6)
+    other.build((1, 2, D), (1, 2, D))
+    for n in w:
+        np.testing.assert_array_equal(again.spec_weights()[n], w[n])
+        assert not np.array_equal(other.spec_weights()[n], w[n]), n
+
+
+def test_lazy_package_import():
+    assert dcmha.DCMHA is DCMHA
+    assert dcmha.ops.dcmha_attention is not None
+    assert dcmha.SPEC_VERSION == reference.SPEC_VERSION

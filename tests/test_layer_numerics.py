@@ -1,0 +1,264 @@
+"""DCMHA numerics against the NumPy spec: configs, masks, chunking, decoding, dtype policies.
+
+Runs on the Keras backend of the process (KERAS_BACKEND=jax|torch|tensorflow).
+Tolerances: float32 results are compared with rtol 1e-5 and an atol of 2e-5
+times the largest expected magnitude (composition weights are scaled up 20x, so
+compose is far from the identity).
+"""
+
+import numpy as np
+import pytest
+
+import keras
+from keras import ops
+
+from dcmha import ops as dops
+from dcmha.layers import DCMHA
+from dcmha.spec import reference
+
+BACKEND = keras.backend.backend()
+
+
+def np_(x):
+    return np.asarray(ops.convert_to_numpy(ops.cast(x, "float32")), dtype=np.float64)
+
+
+def assert_close(got, expected, rtol=1e-5, atol_rel=2e-5):
+    got, expected = np_(got), np.asarray(expected, np.float64)
+    assert got.shape == expected.shape
+    assert np.all(np.isfinite(got))
+    atol = atol_rel * max(1.0, np.abs(expected).max())
+    np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol)
+
+
+def run_layer(call, case, layer_kwargs=None, **call_kwargs):
+    cfg = case["cfg"]
+    layer = DCMHA(**{**cfg.to_dict(), **(layer_kwargs or {})})
+    layer.load_spec_weights(case["params"])
+    args = (case["query"], case["value"], case["key"]) if case["cross"] else (
+        case["query"], case["query"])
+    return layer, call(layer, *args, return_attention_scores=True, **call_kwargs)
+
+
+def reference_forward(case, **kwargs):
+    key = case["key"] if case["cross"] else None
+    value = case["value"] if case["cross"] else None
+    return reference.attention(case["params"], case["cfg"], case["query"], key, value,
+                               return_intermediates=True, **kwargs)
+
+
+CONFIGS = {
+    "dcmha": dict(num_heads=4, key_dim=8),
+    "all_switches": dict(num_heads=4, key_dim=8, num_key_value_heads=2, num_groups=2,
+                         static_compose=True, qk_norm=True, rope_max_wavelength=100.0,
+                         use_bias=True, value_dim=6, sliding_window=3),
+    "mha": dict(num_heads=4, key_dim=8, dynamic_projection=False, dynamic_gating=False),
+    "talking_heads": dict(num_heads=4, key_dim=8, dynamic_projection=False,
+                          dynamic_gating=False, static_compose=True),
+    "key_wise_rank1_erf": dict(num_heads=4, key_dim=8, query_wise=False, rank=1,
+                               gelu_approximate=False),
+    "post_only_gating": dict(num_heads=4, key_dim=8, pre_compose=False,
+                             dynamic_projection=False),
+    "mqa_groups4": dict(num_heads=4, key_dim=8, num_key_value_heads=1, num_groups=4,
+                        dynamic_hidden_dim=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_self_attention_matches_reference(reference_case, rng, name, call_layer):
+    case = reference_case(CONFIGS[name], T=7)
+    mask = rng.random((2, 7, 7)) > 0.3
+    mask[1, 2] = False                                  # a fully masked row
+    y_ref, inter = reference_forward(case, attention_mask=mask, use_causal_mask=True)
+    _, (y, scores) = run_layer(call_layer, case, attention_mask=mask, use_causal_mask=True)
+    assert_close(y, y_ref)
+    assert_close(scores, inter["post_composed"])
+    s = np_(scores)
+    allowed = np.broadcast_to(inter["mask"][:, None], s.shape)
+    assert np.all(s[~allowed] == 0.0)                   # masked probabilities exactly 0
+    np.testing.assert_array_equal(np_(y)[1, 2], 0.0)    # fully masked row: zeros (no bias)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(num_heads=4, key_dim=8, cross_attention=True),
+    dict(num_heads=4, key_dim=8, cross_attention=True, num_key_value_heads=2,
+         static_compose=True, query_wise=False, output_shape=5),
+])
+def test_cross_attention_matches_reference(reference_case, rng, kwargs, call_layer):
+    kwargs = dict(kwargs)
+    out = kwargs.pop("output_shape", None)
+    case = reference_case(kwargs, T=5, S=9, D_kv=12, D_out=out, cross=True)
+    mask = rng.random((2, 5, 9)) > 0.4
+    y_ref, inter = reference_forward(case, attention_mask=mask)
+    _, (y, scores) = run_layer(call_layer, case, dict(output_shape=out), attention_mask=mask)
+    assert_close(y, y_ref)
+    assert_close(scores, inter["post_composed"])
+
+
+@pytest.mark.parametrize("shape", [(6, 6), (1, 6, 6), (2, 1, 6), (2, 6, 1), (2, 1, 6, 6)])
+def test_attention_mask_broadcasts(reference_case, rng, shape, call_layer):
+    case = reference_case(dict(num_heads=4, key_dim=8), T=6)
+    mask = rng.random(shape) > 0.3
+    full = np.broadcast_to(mask[:, 0] if mask.ndim == 4 else mask, (2, 6, 6))
+    y_ref, _ = reference_forward(case, attention_mask=full)
+    _, (y, _) = run_layer(call_layer, case, attention_mask=mask)
+    assert_close(y, y_ref)
+    if len(shape) == 3:                                 # broadcast axes under chunking
+        _, (y, _) = run_layer(call_layer, case, dict(query_chunk_size=4), attention_mask=mask,
+                              use_causal_mask=True)
+        y_ref, _ = reference_forward(case, attention_mask=full, use_causal_mask=True)
+        assert_close(y, y_ref)
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+@pytest.mark.parametrize("window", [None, 2])
+def test_query_chunking_gives_the_same_result(reference_case, rng, chunk, window, call_layer):
+    kwargs = dict(num_heads=4, key_dim=8, static_compose=True, sliding_window=window)
+    case = reference_case(kwargs, T=9)
+    mask = rng.random((2, 9, 9)) > 0.2
+    _, (y0, s0) = run_layer(call_layer, case, dict(implementation="ops"), attention_mask=mask,
+                            use_causal_mask=True)
+    _, (y1, s1) = run_layer(call_layer, case, dict(query_chunk_size=chunk), attention_mask=mask,
+                            use_causal_mask=True)
+    # Other block shapes round differently: a few float32 ulps of the largest value.
+    assert_close(y1, np_(y0), rtol=1e-6, atol_rel=1e-6)
+    assert_close(s1, np_(s0), rtol=1e-6, atol_rel=1e-6)
+    y_ref, _ = reference_forward(case, attention_mask=mask, use_causal_mask=True)
+    assert_close(y1, y_ref)
+
+
+def test_bidirectional_window_and_key_length(reference_case, call_layer):
+    kwargs = dict(num_heads=4, key_dim=8, sliding_window=2, query_chunk_size=2,
+                  cross_attention=True)
+    case = reference_case(kwargs, T=5, S=8, D_kv=16, cross=True)
+    y_ref, inter = reference_forward(case)
+    _, (y, scores) = run_layer(call_layer, case)
+    assert_close(y, y_ref)
+    assert_close(scores, inter["post_composed"])
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(num_heads=4, key_dim=8, num_key_value_heads=2, rope_max_wavelength=50.0, qk_norm=True,
+         static_compose=True, use_bias=True),
+    dict(num_heads=4, key_dim=8, sliding_window=3, num_groups=2, query_wise=False),
+])
+def test_decode_with_cache_matches_full_forward(reference_case, kwargs, call_layer):
+    case = reference_case(kwargs, T=8)
+    cfg, x = case["cfg"], case["query"]
+    full = reference.attention(case["params"], cfg, x, use_causal_mask=True)
+    layer = DCMHA(**kwargs)
+    layer.load_spec_weights(case["params"])
+    cache = layer.init_cache(2, 10)                     # longer than the sequence
+    ref_cache = reference.init_cache(cfg, 2, 10)
+    outs, start = [], 0
+    for n in (3, 1, 2, 1, 1):
+        step = x[:, start:start + n]
+        y, scores, cache = call_layer(layer, step, step, use_causal_mask=True, cache=cache,
+                                      cache_update_index=start, return_attention_scores=True)
+        _, ref_cache = reference.decode_step(case["params"], cfg, step, ref_cache, start)
+        assert tuple(scores.shape) == (2, 4, n, 10)
+        assert np.all(np_(scores)[..., start + n:] == 0.0)   # unwritten positions unread
+        outs.append(np_(y))
+        start += n
+    assert_close(np.concatenate(outs, axis=1), full)
+    for n, c in ref_cache.items():
+        assert_close(cache[n], c)
+
+
+def test_decode_with_traced_index_and_read_only_cache(reference_case, call_layer):
+    kwargs = dict(num_heads=4, key_dim=8, rope_max_wavelength=100.0)
+    case = reference_case(kwargs, T=4)
+    layer = DCMHA(**kwargs)
+    layer.load_spec_weights(case["params"])
+    x = case["query"]
+    cache = layer.init_cache(2, 4)
+    y, cache = call_layer(layer, x[:, :3], x[:, :3], use_causal_mask=True, cache=cache,
+                          cache_update_index=ops.convert_to_tensor(0, "int32"))
+    y4, cache = call_layer(layer, x[:, 3:], x[:, 3:], use_causal_mask=True, cache=cache,
+                           cache_update_index=ops.convert_to_tensor(3, "int32"))
+    full = reference.attention(case["params"], case["cfg"], x, use_causal_mask=True)
+    assert_close(np.concatenate([np_(y), np_(y4)], 1), full)
+
+    # cache_update_index=None: attend to the cache as it is, without writing to it.
+    kwargs = dict(num_heads=4, key_dim=8)
+    case = reference_case(kwargs, T=4)
+    layer = DCMHA(**kwargs)
+    layer.load_spec_weights(case["params"])
+    x = case["query"]
+    _, cache = call_layer(layer, x, x, cache=layer.init_cache(2, 4), cache_update_index=0)
+    y_ro, same = call_layer(layer, x[:, 3:], x[:, 3:], cache=cache, cache_update_index=None)
+    for n in cache:
+        np.testing.assert_array_equal(np_(same[n]), np_(cache[n]))
+    full = reference.attention(case["params"], case["cfg"], x)   # bidirectional
+    assert_close(y_ro, full[:, 3:])
+
+
+@pytest.mark.parametrize("policy, rtol", [("mixed_float16", 2e-2), ("mixed_bfloat16", 8e-2)])
+def test_mixed_precision_keeps_scores_in_float32(reference_case, policy, rtol, call_layer):
+    """Scores of ~1e5 overflow float16 (max 65504): they must stay finite and right."""
+    kwargs = dict(num_heads=4, key_dim=8, static_compose=True)
+    case = reference_case(kwargs, T=6, scale=1.0)
+    half = "float16" if policy == "mixed_float16" else "bfloat16"
+    params = dict(case["params"])
+    # Large but exactly representable projections: q.k / sqrt(d) ~ 1e5.
+    params["query_kernel"] = np.round(params["query_kernel"] * 64) * 4.0
+    params["key_kernel"] = np.round(params["key_kernel"] * 64) * 4.0
+    x = np.round(case["query"] * 4) / 4
+    layer = DCMHA(**kwargs, dtype=policy)
+    layer.load_spec_weights(params)
+    y, scores = call_layer(layer, ops.cast(x, half), ops.cast(x, half),
+                           return_attention_scores=True, use_causal_mask=True)
+    assert keras.backend.standardize_dtype(y.dtype) == half
+    assert keras.backend.standardize_dtype(scores.dtype) == "float32"
+    _, inter = reference.attention(params, case["cfg"], x, use_causal_mask=True,
+                                   return_intermediates=True)
+    assert np.abs(inter["scores"]).max() > 7e4          # float16 scores would be inf
+    y_ref = reference.attention(params, case["cfg"], x, use_causal_mask=True)
+    got = np_(y)
+    assert np.all(np.isfinite(got)) and np.all(np.isfinite(np_(scores)))
+    np.testing.assert_allclose(got, y_ref, rtol=rtol, atol=rtol * np.abs(y_ref).max())
+
+
+def test_functional_ops_match_reference(reference_case, rng):
+    case = reference_case(dict(num_heads=4, key_dim=8, num_groups=2, static_compose=True), T=5)
+    cfg, p, x = case["cfg"], case["params"], case["query"]
+    slots = reference.slots(cfg)
+    dyn = dops.dynamic_weights(x, p["dw1"], p["qkw"], p["dd"], slots=slots, rank=cfg.R)
+    ref_dyn = reference.dynamic_weights(x, p["dw1"], p["qkw"], p["dd"], slots, cfg.R)
+    for s in slots:
+        for n in ("w1", "w2", "dd"):
+            assert_close(dyn[s][n], ref_dyn[s][n])
+    qdyn = {s: ref_dyn[s] for s in reference.side_slots(cfg, "query")}
+    kdyn = {s: ref_dyn[s] for s in reference.side_slots(cfg, "key")}
+    a = rng.standard_normal((2, 4, 5, 5))
+    terms = reference.compose_terms(cfg, "pre", qdyn, kdyn, p)
+    assert_close(dops.compose(a.astype("float32"), 2, **terms), reference.compose(a, 2, **terms))
+    # The attention core on projected heads, with intermediates.
+    q, k, v = reference.project_qkv(p, cfg, x, x, x, np.arange(5), np.arange(5))
+    mask = reference.make_mask(2, 5, 5, use_causal_mask=True)
+    o_ref, inter = reference.attend(cfg, p, q, k, v, qdyn, kdyn, mask)
+    pre = dops.stage_terms("pre", qdyn, kdyn, p["static_pre"])
+    post = dops.stage_terms("post", qdyn, kdyn, p["static_post"])
+    cast = lambda t: {n: w.astype("float32") for n, w in t.items()}
+    o, extras = dops.dcmha_attention(q.astype("float32"), k.astype("float32"),
+                                     v.astype("float32"), num_groups=2, pre=cast(pre),
+                                     post=cast(post), use_causal_mask=True,
+                                     return_intermediates=True, return_attention_scores=True)
+    assert_close(o, o_ref)
+    assert_close(extras["attention_scores"], inter["post_composed"])
+    for n in ("scores", "pre_composed", "probs"):
+        assert_close(extras[n], inter[n])
+    with pytest.raises(ValueError, match="implementation"):
+        dops.dcmha_attention(q, k, v, implementation="fast")
+
+
+def test_switched_off_stages_are_skipped(reference_case, call_layer):
+    """Every composition switch off: exactly multi-head attention (no compose pass)."""
+    case = reference_case(dict(num_heads=4, key_dim=8, pre_compose=False, post_compose=False),
+                          T=5)
+    layer, (y, scores) = run_layer(call_layer, case, use_causal_mask=True)
+    assert layer.dynamic_projection_layer is None
+    mha = dict(case, cfg=reference.Config(num_heads=4, key_dim=8, dynamic_projection=False,
+                                          dynamic_gating=False))
+    y_ref, _ = reference_forward(mha, use_causal_mask=True)
+    assert_close(y, y_ref)
