@@ -10,16 +10,20 @@ import importlib
 from dcmha.spec.reference import SPEC_VERSION
 
 __version__ = "0.1.0"
-__all__ = ["SPEC_VERSION", "__version__", "DCMHA", "DynamicWeightProjection", "ops", "layers"]
-
 _LAZY = {"DCMHA": "dcmha.layers", "DynamicWeightProjection": "dcmha.layers",
-         "ops": "dcmha.ops", "layers": "dcmha.layers"}
+         "DCFormerLM": "dcmha.models", "DCFormerBlock": "dcmha.models",
+         "SwiGLU": "dcmha.models", "RMSNorm": "dcmha.models",
+         "from_official_state_dict": "dcmha.checkpoints",
+         "ops": "dcmha.ops", "layers": "dcmha.layers", "models": "dcmha.models",
+         "checkpoints": "dcmha.checkpoints"}
+_MODULES = ("ops", "layers", "models", "checkpoints")
+__all__ = ["SPEC_VERSION", "__version__", *_LAZY]
 
 
 def __getattr__(name):
     if name in _LAZY:
         module = importlib.import_module(_LAZY[name])
-        return module if name in ("ops", "layers") else getattr(module, name)
+        return module if name in _MODULES else getattr(module, name)
     raise AttributeError(f"module 'dcmha' has no attribute {name!r}")
 
 
