@@ -92,7 +92,7 @@ def test_layer_decode(tmp_path, rich):
     x, layer = _x(B, T, D), rich
     path = tmp_path / "decode.onnx"
     model = to_onnx(layer, path, decode=True)
-    names = core.decode_names(layer.config)
+    names = core.decode_names(layer.spec_config)
     assert _io(model) == (["query", "cache_update_index"] + ["past_" + n for n in names],
                           ["output"] + ["present_" + n for n in names])
     for steps in ([3, 1, 1, 1], [1] * T, [T]):
