@@ -131,7 +131,6 @@ def assert_close(got, want, rtol, name):
 
 CASES = {
     # name: (make_problem kwargs, core kwargs); at most 3 chunks (XLA compile time)
-    "all_terms_causal": (dict(), dict(causal=True)),
     "all_terms_causal_chunked": (dict(), dict(causal=True, query_chunk_size=4)),
     "causal_window_chunked": (dict(T=8, S=8), dict(causal=True, sliding_window=3,
                                                    query_chunk_size=4)),
@@ -139,12 +138,10 @@ CASES = {
     "mask_fully_masked_rows": (dict(mask="random"), dict(query_chunk_size=4)),
     "mask_causal_window_chunk_1": (dict(T=3, S=5, mask="random", G=2),
                                    dict(causal=True, sliding_window=2, query_chunk_size=1)),
-    "gqa_groups_2": (dict(N_kv=2, G=2), dict(causal=True)),
-    "mqa_groups_2_rank_1": (dict(N_kv=1, G=2, R=1), dict()),
+    "gqa_groups_2_scale": (dict(N_kv=2, G=2), dict(causal=True, scale=0.3)),
+    "mqa_groups_2_rank_1_identity_pre": (dict(N_kv=1, G=2, R=1, pre=()), dict()),
     "groups_4_rank_2": (dict(N=8, N_kv=4, G=4), dict(causal=True, query_chunk_size=5)),
     "no_compose": (dict(pre=None, post=None), dict(causal=True)),
-    "identity_stages": (dict(pre=(), post=()), dict()),
-    "scale": (dict(pre=("qw",), post=("kdd",)), dict(scale=0.3)),
 }
 # every term alone in each stage (paired with a different term alone in the other stage)
 CASES.update({f"pre_{a}_post_{b}": (dict(pre=(a,), post=(b,)), dict(causal=True))
@@ -180,32 +177,41 @@ def test_forward_and_gradients_match_spec(name):
 
 
 def test_chunks_in_xla_loops_match_spec(monkeypatch):
-    # With MAX_GROUPS=2 the chunks of a group run in one tf.map_fn (an XLA while loop).
-    monkeypatch.setattr(dcmha_xla, "MAX_GROUPS", 2)
+    # With MAX_GROUPS=1 all chunks run in one tf.map_fn (an XLA while loop).
+    monkeypatch.setattr(dcmha_xla, "MAX_GROUPS", 1)
     dcmha_xla._COMPILED.clear()
     core_kw = dict(causal=True, sliding_window=4, query_chunk_size=2)  # 4 chunks, T padded to 8
     p = make_problem(seed=12, T=7, S=8, mask="random", G=2)
     o_np, pc_np, g_np = spec_core(p, causal=core_kw.get("causal", False),
                                   window=core_kw.get("sliding_window"))
-    o, scores, grads = run_tf(xla.dcmha_attention, p, **core_kw)
+    o, scores, grads = run_tf(xla.dcmha_attention, p, **core_kw)   # eager tape
     assert_close(o, o_np, 1e-5, "o")
     assert_close(scores, pc_np, 1e-5, "scores")
     for n, g in g_np.items():
         assert_close(grads[n], g, 2e-5, "grad " + n)
+    # traced inline into a jitted step: XLA differentiates the loops itself
+    o, scores, grads = tf.function(
+        lambda: run_tf(xla.dcmha_attention, p, **core_kw), jit_compile=True)()
+    assert_close(o, o_np, 1e-5, "jitted o")
+    for n, g in g_np.items():
+        assert_close(grads[n], g, 2e-5, "jitted grad " + n)
     dcmha_xla._COMPILED.clear()
 
 
 def test_masked_probabilities_exactly_zero_and_fully_masked_rows_zero():
+    # (gradients with fully masked rows: case "mask_fully_masked_rows" above)
     p = make_problem(seed=3, mask="random")
-    o, scores, grads = run_tf(xla.dcmha_attention, p, causal=True, query_chunk_size=3)
+    c = lambda x: tf.constant(x, tf.float32)  # noqa: E731
+    o, scores = xla.dcmha_attention(
+        c(p["q"]), c(p["k"]), c(p["v"]), num_groups=1, causal=True, query_chunk_size=3,
+        pre={n: c(x) for n, x in p["pre"].items()}, post={n: c(x) for n, x in p["post"].items()},
+        mask=tf.constant(p["mask"]), return_attention_scores=True)
     mask = ref.make_mask(2, 6, 7, attention_mask=p["mask"], use_causal_mask=True)
     s = scores.numpy()
     assert np.all(s[np.broadcast_to(~mask[:, None], s.shape)] == 0.0)
     rows = ~mask.any(-1)                         # (B, T) fully masked
     assert rows.any()
     assert np.all(o.numpy()[rows] == 0.0)
-    for n, g in grads.items():
-        assert np.all(np.isfinite(g.numpy())), n
 
 
 def test_chunk_size_does_not_change_the_result():
@@ -215,7 +221,7 @@ def test_chunk_size_does_not_change_the_result():
         c(p["q"]), c(p["k"]), c(p["v"]), num_groups=1, causal=True, sliding_window=4,
         pre={n: c(x) for n, x in p["pre"].items()}, post={n: c(x) for n, x in p["post"].items()},
         mask=tf.constant(p["mask"]), query_chunk_size=size, return_attention_scores=True)
-        for size in (None, 2, 4, 100)]
+        for size in (None, 2, 100)]   # 100 >= T: the same compiled function as None
     for o, s in outs[1:]:
         np.testing.assert_allclose(o.numpy(), outs[0][0].numpy(), rtol=0, atol=2e-6)
         np.testing.assert_allclose(s.numpy(), outs[0][1].numpy(), rtol=0, atol=2e-6)
@@ -422,8 +428,7 @@ def test_adapter_refuses_to_run_next_to_triton(monkeypatch):
         TfXlaAdapter()
 
 
-@pytest.mark.parametrize("case_name", ["all_switches", "grad_all_switches",
-                                       "cross_attention_bfloat16"])
+@pytest.mark.parametrize("case_name", ["grad_all_switches", "cross_attention_bfloat16"])
 def test_adapter_passes_conformance_cases(case_name):
     from dcmha.conformance.adapters.xla_adapter import TfXlaAdapter
     from dcmha.conformance.cases import load_case

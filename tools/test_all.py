@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KERAS_BACKENDS = ("jax", "torch", "tensorflow", "numpy")
 #: Adapters that CI holds to the fixtures (each runs in its own worker process).
 CONFORMANCE_BACKENDS = ("reference,keras-jax,keras-torch,keras-tensorflow,keras-numpy,"
-                       "onnxruntime,triton-interpret,pallas-interpret")
+                       "onnxruntime,triton-interpret,pallas-interpret,tf-xla")
 
 
 def _glob(*patterns: str) -> list:
@@ -39,8 +39,8 @@ def steps() -> list:
     """(label, environment overrides, pytest arguments or None for the conformance CLI)."""
     out = [("spec", {}, _glob("tests/test_reference*.py", "tests/test_conformance*.py")
             + ["conformance"])]
-    # The hardening suites (validation, numerics, fuzz, determinism, distribution) and the
-    # TF XLA path join these lists once they pass on every backend.
+    # The hardening suites (validation, numerics, fuzz, determinism, distribution) join these
+    # lists once they pass on every backend.
     keras_tests = _glob("tests/test_layer*.py", "tests/test_export*.py", "tests/test_models*.py",
                         "tests/test_checkpoints*.py", "tests/test_demo*.py")
     for b in KERAS_BACKENDS:
@@ -48,6 +48,7 @@ def steps() -> list:
     out.append(("triton-interpret", {"KERAS_BACKEND": "torch", "TRITON_INTERPRET": "1"},
                 _glob("tests/test_triton*.py")))
     out.append(("pallas-interpret", {"KERAS_BACKEND": "jax"}, _glob("tests/test_pallas*.py")))
+    out.append(("tf-xla", {"KERAS_BACKEND": "tensorflow"}, _glob("tests/test_xla*.py")))
     out.append(("conformance", {}, None))
     return [s for s in out if s[2] is None or s[2]]
 

@@ -4,13 +4,24 @@
 -> zero masked -> P.V inside a single ``tf.function(jit_compile=True)``, one
 compiled function per static configuration (which compose terms are present,
 masking, window, scale, chunk size; TensorFlow itself retraces per shape and
-dtype). Queries are processed in chunks, a static loop over chunk boundaries,
-so the largest intermediate is (B, N, chunk, S_chunk), where S_chunk is the key
-range a chunk can see: with the causal mask keys after the chunk's last query
-are skipped, with a sliding window keys before its first window start too.
-Memory therefore grows with T * S / n_chunks, not T * S. Gradients come from
-TensorFlow's autodiff (compiled by XLA as well when the caller's train step is
-jitted; an eager ``tf.GradientTape`` around a call works too).
+dtype). Called inside a caller's jitted function (a Keras train step), the core
+is traced inline into the caller's XLA computation instead.
+
+Memory: queries are processed in chunks of ``query_chunk_size`` rows, so the
+largest intermediate is a (B, N, chunk, S_group) tile instead of (B, N, T, S).
+The chunks form at most ``MAX_GROUPS`` contiguous groups. The groups are
+unrolled, each against the key range its queries can see (with the causal mask
+keys after the group's last query are skipped, with a sliding window keys
+before its first window start too); the chunks of one group run in one XLA while
+loop (``tf.map_fn``) against the group's key range, so compile time and the
+number of live tiles stay bounded for long sequences. A group only starts once
+the group ``_LANES`` before it has finished (a data dependency), or XLA's CPU
+scheduler would run them all at once and hold every tile.
+
+Gradients come from TensorFlow's autodiff: compiled by XLA with the rest when
+the caller's train step is jitted; an eager ``tf.GradientTape`` (or a plain
+``tf.function``) around a call works too (with looped groups its backward is a
+second compiled function that recomputes the forward).
 
 ``dcmha_attention_reference`` has the same signature and computes the same thing
 with plain, materialising TensorFlow ops written like ``spec/reference.py``
@@ -505,7 +516,7 @@ def _group(ins, *, t0, n, c, lo, causal, window, G, want_scores):
 def _core(q, k, v, pre, post, mask, *, G, causal, window, scale, chunk, want_scores):
     """The traced body of the compiled function (see dcmha_attention)."""
     tf = _tf()
-    B, T, N, d = q.shape.as_list()
+    _, T, N, d = q.shape.as_list()
     S, N_kv = k.shape.as_list()[1:3]
     rep = N // N_kv
     M = N // G
@@ -671,6 +682,10 @@ def dcmha_attention(q, k, v, *, num_groups, pre=None, post=None, mask=None, caus
 
     Returns:
         o (B, T, N, d_v) in q's dtype, or (o, scores) with ``return_attention_scores``.
+
+    The head axes (N, N_kv, d, d_v) must be static; the batch and the lengths may
+    be unknown at trace time (an unknown T means one chunk). Raises ValueError /
+    TypeError naming the argument for a bad shape, dtype or option.
     """
     tf = _tf()
     q, k, v, pre, post, mask = _prepare(q, k, v, pre, post, mask)

@@ -20,9 +20,8 @@ materialises the raw scores, pre-composed scores or probabilities).
 
 from __future__ import annotations
 
-import math
 import sys
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping
 
 import numpy as np
 
