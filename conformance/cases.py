@@ -68,7 +68,15 @@ def read_manifest(fixtures_dir: Optional[PathLike] = None) -> dict:
     if not path.is_file():
         raise ValueError(f"No {MANIFEST_NAME} in the fixtures directory {root}. "
                          "Generate the fixtures with `python -m dcmha.conformance.generate`.")
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError:
+        manifest = None
+    if (not isinstance(manifest, dict) or "spec_version" not in manifest
+            or not isinstance(manifest.get("files"), dict)):
+        raise ValueError(f"{path} is not a valid manifest (a JSON object with 'spec_version' "
+                         "and 'files'). Regenerate the fixtures with "
+                         "`python -m dcmha.conformance.generate`.")
     if manifest.get("spec_version") != reference.SPEC_VERSION:
         raise ValueError(
             f"The fixtures in {root} were generated for spec version "
@@ -82,6 +90,8 @@ def verify_file(path: Path, manifest: Mapping) -> bytes:
     files = manifest["files"]
     if path.name not in files:
         raise ValueError(f"Fixture file {path} is not listed in {MANIFEST_NAME}.")
+    if not path.is_file():
+        raise ValueError(f"Fixture file {path} is listed in {MANIFEST_NAME} but does not exist.")
     data = path.read_bytes()
     got = hashlib.sha256(data).hexdigest()
     if got != files[path.name]:
@@ -105,6 +115,35 @@ def _match(name: str, pattern: Optional[Union[str, Sequence[str]]]) -> bool:
     return any(fnmatch.fnmatchcase(name, p.strip()) for p in pats if p.strip())
 
 
+_CASE_KEYS = ("name", "description", "kind", "config", "dims", "dtype", "call", "requires",
+              "outputs", "tolerance")
+
+
+def _check_arrays(path: Path, cfg: reference.Config, meta: Mapping, arrays: Mapping) -> None:
+    """The arrays a case needs are in its .npz, the parameters with the config's shapes."""
+    dims = meta["dims"]
+    try:
+        shapes = reference.param_shapes(cfg, dims["query_input_dim"], dims["key_input_dim"],
+                                        dims.get("output_dim"))
+    except (KeyError, TypeError):
+        raise ValueError(f"Fixture file {path.with_suffix('.json')} is not a valid case: "
+                         "'dims' lacks query_input_dim / key_input_dim.") from None
+    want = {"param/" + n: s for n, s in shapes.items()}
+    want["input/query"] = None
+    want.update({"expected/" + n: None for n in meta["outputs"]})
+    missing = sorted(set(want) - set(arrays))
+    if missing:
+        raise ValueError(f"Fixture file {path} does not fit its case: missing arrays {missing}.")
+    unexpected = sorted(n for n in arrays if n.startswith("param/") and n not in want)
+    if unexpected:
+        raise ValueError(f"Fixture file {path} does not fit its case: unexpected arrays "
+                         f"{unexpected}.")
+    for n, shape in want.items():
+        if shape is not None and tuple(arrays[n].shape) != tuple(shape):
+            raise ValueError(f"Fixture file {path} does not fit its case: {n!r} has shape "
+                             f"{tuple(arrays[n].shape)}, expected {tuple(shape)}.")
+
+
 def load_case(name: str, fixtures_dir: Optional[PathLike] = None,
               manifest: Optional[Mapping] = None) -> Case:
     """Load and verify one case by name."""
@@ -112,19 +151,34 @@ def load_case(name: str, fixtures_dir: Optional[PathLike] = None,
 
     root = Path(fixtures_dir) if fixtures_dir is not None else FIXTURES_DIR
     manifest = manifest if manifest is not None else read_manifest(root)
-    meta = json.loads(verify_file(root / f"{name}.json", manifest))
+    json_path, npz_path = root / f"{name}.json", root / f"{name}.npz"
+    raw = verify_file(json_path, manifest)
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise ValueError(f"Fixture file {json_path} is not a valid case: not a JSON object.")
+    missing = sorted(set(_CASE_KEYS) - set(meta))
+    if missing:
+        raise ValueError(f"Fixture file {json_path} is not a valid case: missing keys {missing}.")
+    data = verify_file(npz_path, manifest)
     arrays = {}
-    with np.load(io.BytesIO(verify_file(root / f"{name}.npz", manifest)),
-                 allow_pickle=False) as npz:
-        for key in npz.files:
-            arrays[key] = npz[key]
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            for key in npz.files:
+                arrays[key] = npz[key]
+    except Exception:  # zipfile.BadZipFile, ValueError, OSError, EOFError...
+        raise ValueError(f"Fixture file {npz_path} is not a readable .npz archive.") from None
+    cfg = reference.Config.from_dict(meta["config"])
+    _check_arrays(npz_path, cfg, meta, arrays)
 
     def section(prefix: str) -> Dict[str, np.ndarray]:
         return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
 
     return Case(
         name=meta["name"], description=meta["description"], kind=meta["kind"],
-        config=dict(meta["config"]), cfg=reference.Config.from_dict(meta["config"]),
+        config=dict(meta["config"]), cfg=cfg,
         dims=dict(meta["dims"]), dtype=meta["dtype"], call=dict(meta["call"]),
         requires=tuple(meta["requires"]), outputs=tuple(meta["outputs"]),
         tolerance={k: dict(v) for k, v in meta["tolerance"].items()},

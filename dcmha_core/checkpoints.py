@@ -54,6 +54,9 @@ def _config_dict(config) -> dict:
         return dict(config)
     if hasattr(config, "to_dict"):
         return dict(config.to_dict())
+    if not hasattr(config, "__dict__"):
+        raise TypeError("`config` must be a dict or an object with attributes (e.g. a "
+                        f"transformers config). Received: {type(config).__name__}")
     return dict(vars(config))
 
 
@@ -68,9 +71,13 @@ def _to_numpy(name, value) -> np.ndarray:
             value = value.float()
         value = value.numpy()
     try:
-        return np.asarray(value)
+        out = np.asarray(value)
     except Exception as e:  # pragma: no cover - exotic inputs
         raise TypeError(f"state_dict[{name!r}] is not an array or tensor: {type(value)}") from e
+    if not np.issubdtype(out.dtype, np.number) or np.issubdtype(out.dtype, np.complexfloating):
+        raise TypeError(f"state_dict[{name!r}] must be a real-valued array or tensor. "
+                        f"Received: dtype {out.dtype}")
+    return out
 
 
 def official_config_to_kwargs(config) -> dict:
@@ -91,6 +98,17 @@ def official_config_to_kwargs(config) -> dict:
         v = cfg[key]
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
             raise ValueError(f"Config key {key!r} must be a positive integer. Received: {v!r}")
+    for key, allow_none in (("intermediate_size", True), ("window_size", True)):
+        v = cfg[key]
+        if not (v is None and allow_none) and (
+                isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
+            raise ValueError(f"Config key {key!r} must be None or a positive integer. "
+                             f"Received: {v!r}")
+    for key in ("rope_base", "norm_eps"):
+        v = cfg[key]
+        if (isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating))
+                or not 0 < v < float("inf")):
+            raise ValueError(f"Config key {key!r} must be a positive number. Received: {v!r}")
     n_head, dim = int(cfg["n_head"]), int(cfg["dim"])
     n_kv = cfg["n_local_heads"]
     n_kv = n_head if n_kv in (None, -1) else int(n_kv)
@@ -187,6 +205,9 @@ def from_official_state_dict(state_dict: Mapping, config, *, dtype=None, **overr
     """
     from dcmha.models import DCFormerLM
 
+    if not isinstance(state_dict, Mapping):
+        raise TypeError("`state_dict` must be a mapping {name: array or tensor}. "
+                        f"Received: {type(state_dict).__name__}")
     kw = official_config_to_kwargs(config)
     sd = {str(k): _to_numpy(k, v) for k, v in state_dict.items()}
     G, K, R = _composition_sizes(sd, kw)

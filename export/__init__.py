@@ -11,6 +11,7 @@ Each DCMHA call is a node of an ONNX local function in the ``dcmha`` domain
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from dcmha.export.core import (DOMAIN, FUNCTION_NAME, CallSpec, check_model, decode_names,
@@ -65,6 +66,10 @@ def to_onnx(obj, path, *, opset: Optional[int] = None, dynamic: bool = True,
     """
     from dcmha.export import keras_export
 
+    _check_options(path, dynamic=dynamic, decode=decode, use_causal_mask=use_causal_mask,
+                   attention_mask=attention_mask, return_attention_scores=return_attention_scores,
+                   self_attention=self_attention, input_shapes=input_shapes,
+                   batch_size=batch_size, cache_length=cache_length)
     model = keras_export.build(obj, opset=opset, dynamic=dynamic, dtype=dtype, decode=decode,
                                self_attention=self_attention, use_causal_mask=use_causal_mask,
                                attention_mask=attention_mask,
@@ -73,6 +78,30 @@ def to_onnx(obj, path, *, opset: Optional[int] = None, dynamic: bool = True,
                                cache_length=cache_length)
     save_model(model, path)
     return model
+
+
+def _check_options(path, *, self_attention, input_shapes, batch_size, cache_length, **flags):
+    """Type and range checks of ``to_onnx``'s options, before anything is built."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"`path` must be a str or os.PathLike. Received: {type(path).__name__}")
+    if os.path.isdir(path):
+        raise ValueError("`path` must be a file path, not a directory. "
+                         f"Received: path={os.fspath(path)!r}")
+    if self_attention is not None:
+        flags["self_attention"] = self_attention
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"`{name}` must be a boolean. Received: {name}={value!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"`batch_size` must be a positive integer. Received: "
+                         f"batch_size={batch_size!r}")
+    if cache_length is not None and (isinstance(cache_length, bool)
+                                     or not isinstance(cache_length, int) or cache_length <= 0):
+        raise ValueError("`cache_length` must be None or a positive integer. Received: "
+                         f"cache_length={cache_length!r}")
+    if input_shapes is not None and not isinstance(input_shapes, dict):
+        raise TypeError("`input_shapes` must be None or a dict {input name: shape}. "
+                        f"Received: {type(input_shapes).__name__}")
 
 
 def verify(path, obj, inputs, **kwargs) -> dict:

@@ -482,6 +482,22 @@ def build(obj, *, opset: Optional[int] = None, dynamic: bool = True, dtype: str 
     return b.build(doc="Exported by dcmha.export.to_onnx")
 
 
+def _check_input_names(input_shapes, names):
+    unknown = sorted(set(input_shapes or {}) - set(names))
+    if unknown:
+        raise ExportError(f"`input_shapes` names unknown inputs {unknown}. "
+                          f"The inputs are {list(names)}.")
+
+
+def _check_cache_length(ctx, shape):
+    """A static decode graph's cache must hold the new tokens (axis 1 of ``shape``)."""
+    T = shape[1] if len(shape) > 1 else None
+    if ctx.decode and ctx.cache_length is not None and isinstance(T, int) \
+            and T > ctx.cache_length:
+        raise ExportError(f"`cache_length` must be at least the query length {T}. "
+                          f"Received: cache_length={ctx.cache_length}")
+
+
 def _static_shape(name, shape, dynamic, input_shapes, batch_size, symbols):
     shape = list(shape)
     if input_shapes and name in input_shapes:
@@ -489,6 +505,13 @@ def _static_shape(name, shape, dynamic, input_shapes, batch_size, symbols):
         if len(given) != len(shape):
             raise ExportError(f"input_shapes[{name!r}] must have rank {len(shape)}. "
                               f"Received: {tuple(given)}")
+        if any(g is not None and (isinstance(g, bool) or not isinstance(g, (int, np.integer))
+                                  or g <= 0) for g in given):
+            raise ExportError(f"`input_shapes[{name!r}]` must hold positive integers or None. "
+                              f"Received: {tuple(given)}")
+        if any(g is not None and s is not None and g != s for g, s in zip(given, shape)):
+            raise ExportError(f"`input_shapes[{name!r}]` must agree with the known shape "
+                              f"{tuple(shape)}. Received: {tuple(given)}")
         shape = [g if g is not None else s for g, s in zip(given, shape)]
     if dynamic:
         return [s if s is not None else symbols[i] if i < len(symbols) else f"{name}_dim{i}"
@@ -510,11 +533,15 @@ def _build_layer(ctx, layer, dynamic, self_attention, use_causal_mask, attention
         self_attention = not cfg.cross_attention
     params = {n: np.asarray(w, np.float32) for n, w in layer.spec_weights().items()}
     D_q, D_kv, D_out = core.check_params(cfg, params)
+    _check_input_names(input_shapes, ["query"] + (
+        ["value", "key"] if not self_attention and not ctx.decode else []) + (
+        ["attention_mask"] if attention_mask else []))
     ctx.single_layer = True
     ft = ctx.ft
     S_sym = "cache_length" if ctx.decode else ("query_length" if self_attention else "key_length")
     q_shape = _static_shape("query", [None, None, D_q], dynamic, input_shapes, batch_size,
                             ["batch", "query_length"])
+    _check_cache_length(ctx, q_shape)
     query = Value(ctx.b.add_input("query", ft, q_shape), ft, 3)
     value = key = None
     if not self_attention and not ctx.decode:
@@ -562,6 +589,7 @@ def _build_model(ctx, model, dynamic, input_shapes, batch_size) -> dict:
                           "model; to_onnx walks functional and Sequential models (or register a "
                           "converter for the class).")
     ctx.path = []
+    _check_input_names(input_shapes, [_input_name(t, i) for i, t in enumerate(graph.inputs)])
     names = []
     values = []
     for i, t in enumerate(graph.inputs):
@@ -571,6 +599,7 @@ def _build_model(ctx, model, dynamic, input_shapes, batch_size) -> dict:
         symbols = ["batch", "sequence_length" if len(t.shape) > 1 else None]
         shape = _static_shape(name, t.shape, dynamic, input_shapes, batch_size,
                               [s for s in symbols if s])
+        _check_cache_length(ctx, shape)
         if len(t.shape) > 2:   # other unknown axes get their own names
             shape = [s if i < 2 or s is not None else f"{name}_dim{i}" for i, s in enumerate(shape)]
         values.append(Value(ctx.b.add_input(name, et, shape), et, len(t.shape)))

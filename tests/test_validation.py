@@ -26,7 +26,6 @@ from keras import ops
 
 from dcmha import ops as dops
 from dcmha.layers import DCMHA
-from dcmha.spec import reference
 
 BACKEND = keras.backend.backend()
 
