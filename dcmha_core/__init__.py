@@ -15,8 +15,8 @@ _LAZY = {"DCMHA": "dcmha.layers", "DynamicWeightProjection": "dcmha.layers",
          "SwiGLU": "dcmha.models", "RMSNorm": "dcmha.models",
          "from_official_state_dict": "dcmha.checkpoints",
          "ops": "dcmha.ops", "layers": "dcmha.layers", "models": "dcmha.models",
-         "checkpoints": "dcmha.checkpoints"}
-_MODULES = ("ops", "layers", "models", "checkpoints")
+         "checkpoints": "dcmha.checkpoints", "distribution": "dcmha.distribution"}
+_MODULES = ("ops", "layers", "models", "checkpoints", "distribution")
 __all__ = ["SPEC_VERSION", "__version__", *_LAZY]
 
 
