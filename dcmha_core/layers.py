@@ -185,8 +185,24 @@ class DCMHA(keras.layers.Layer):
         output_shape: output width D_out (int or 1-tuple; default D_q).
         cross_attention: separate dynamic projections for the query input
             (query_*) and the key input (key_*), which may differ in width.
-        implementation: "auto" or "ops" (plain keras.ops). "auto" may choose
-            a query chunk size for speed when ``query_chunk_size`` is None.
+        implementation: the attention core. "ops": plain keras.ops, every
+            backend, every option. The fused fast paths, each on one Keras
+            backend: "triton" (torch; CUDA tensors, or CPU tensors with
+            TRITON_INTERPRET=1 set before Triton is imported), "torch"
+            (torch), "pallas" (jax; compiled on a GPU, interpreted
+            elsewhere), "xla" (tensorflow; no decoding offset with the causal
+            mask or a window). No fast path does training dropout or
+            intermediates. A fast path named here must be able to run the
+            call, or the call raises a ValueError saying why. "auto" (the
+            default) takes, per call, the first fast path of the active
+            backend that can run the call and is preferred for it, else
+            "ops" (then choosing a query chunk size for speed when
+            ``query_chunk_size`` is None): on torch "triton" for CUDA
+            tensors with Triton installed, then "torch" when its rule
+            prefers it; on jax "pallas" on a GPU with a static query offset;
+            on tensorflow "xla" inside a traced ``tf.function`` (eager calls
+            take "ops": a per-shape XLA compile costs more than one call
+            saves). See ``dcmha.ops.select_implementation``.
         kernel_initializer, bias_initializer: for the four projections.
         seed: int or None; seeds dropout and the initializers.
 

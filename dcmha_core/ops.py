@@ -516,6 +516,93 @@ def _join(parts, axis=1):
     return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=axis)
 
 
+#: More query chunks than this are not unrolled on the tracing backends (jax,
+#: tensorflow): they run as ``_LOOP_SPANS`` spans of equal chunks, each span an
+#: ``ops.map`` loop against the keys its queries can see, so the traced graph
+#: (and the compile time) stays bounded for long sequences.
+MAX_UNROLLED_CHUNKS = 64
+_LOOP_SPANS = 16
+_LOOPED_BACKENDS = ("jax", "tensorflow")
+
+
+def _attention_looped(q, k, v, mask, pre, post, *, num_groups, chunk, use_causal_mask,
+                      sliding_window, query_offset, rows_may_be_empty):
+    """``_attention_ops`` for many chunks: spans of chunks looped with ``ops.map``.
+
+    q: (B, T, N, d) pre-scaled, k: (B, S, N_kv, d), v: (B, S, N_kv, d_v) float32;
+    mask: standardized (B|1, T|1, S|1) or None. Returns o (B, T, N, d_v). No
+    dropout and no (B, N, T, S) extras (the caller checks).
+    """
+    B, T, N, d = ops.shape(q)
+    S, N_kv, d_v = ops.shape(k)[1], k.shape[2], v.shape[-1]
+    G, rep = num_groups, N // k.shape[2]
+    M = N // G
+    qh = ops.transpose(ops.reshape(q, (B, T, N_kv, rep, d)), (0, 2, 1, 3, 4))  # (B,N_kv,T,rep,d)
+    kt = ops.transpose(k, (0, 2, 3, 1))                                         # (B,N_kv,d,S)
+    vt = ops.transpose(v, (0, 2, 1, 3))                                         # (B,N_kv,S,d_v)
+    stages = {name: compose_matrices(terms, M)
+              for name, terms in (("pre", pre), ("post", post)) if terms}
+    n_full = T // chunk
+    per_span = -(-n_full // _LOOP_SPANS)
+    spans = [(i * chunk, min(n_full, i + per_span) * chunk) for i in range(0, n_full, per_span)]
+    if T % chunk:
+        spans.append((n_full * chunk, T))                   # the short tail: one block
+
+    def cut(x, a, b, axis):
+        """x[..., a:b, ...] along ``axis`` (static bounds)."""
+        if (a, b) == (0, x.shape[axis]):
+            return x
+        shape = list(ops.shape(x))
+        shape[axis] = b - a
+        return ops.slice(x, [0] * axis + [a] + [0] * (len(shape) - axis - 1), shape)
+
+    def chunked(x, t0, t1, n, axis):
+        """x[..., t0:t1, ...] along ``axis`` as (n, ..., chunk, ...): the loop axis first."""
+        x = cut(x, t0, t1, axis)
+        shape = list(ops.shape(x))
+        x = ops.reshape(x, shape[:axis] + [n, (t1 - t0) // n] + shape[axis + 1:])
+        return ops.moveaxis(x, axis, 0)
+
+    outs = []
+    for t0, t1 in spans:
+        s0, s1 = _key_range(t0, t1, S, use_causal_mask=use_causal_mask,
+                            sliding_window=sliding_window, query_offset=query_offset)
+        if s1 <= s0:
+            outs.append(ops.zeros((B, t1 - t0, N, d_v), "float32"))
+            continue
+        n = (t1 - t0) // chunk if (t1 - t0) % chunk == 0 else 1
+        blk_mask = _block_mask(mask, t0, t1, s0, s1, use_causal_mask=use_causal_mask,
+                               sliding_window=sliding_window, query_offset=query_offset)
+        k_blk, v_blk = cut(kt, s0, s1, 3), cut(vt, s0, s1, 2)
+        xs, shared = {"q": chunked(qh, t0, t1, n, 2)}, {"mask": None}
+        if blk_mask is not None and blk_mask.shape[1] != 1:
+            xs["mask"] = chunked(blk_mask, 0, t1 - t0, n, 1)
+        else:
+            shared["mask"] = blk_mask
+        for name, (wq, wk) in stages.items():
+            if wq is not None and len(wq.shape) == 5:          # per query: (B, T, G, M, M)
+                xs[name] = chunked(wq, t0, t1, n, 1)
+            else:
+                shared[name + "_q"] = wq
+            shared[name + "_k"] = None if wk is None else cut(wk, s0, s1, 1)
+
+        def body(x):
+            terms = {name: (x[name] if name in x else shared[name + "_q"], shared[name + "_k"])
+                     for name in stages}
+            o, _ = _attend_block(x["q"], k_blk, v_blk, terms.get("pre"), terms.get("post"),
+                                 x.get("mask", shared["mask"]), num_groups=G, dropout_rate=0.0,
+                                 seed=None, training=False, want_scores=False,
+                                 want_intermediates=False, rows_may_be_empty=rows_may_be_empty)
+            return o                                           # (B, chunk, N, d_v)
+
+        if n == 1:
+            outs.append(body({name: x[0] for name, x in xs.items()}))
+        else:
+            o = ops.map(body, xs)                              # (n, B, chunk, N, d_v)
+            outs.append(ops.reshape(ops.moveaxis(o, 0, 1), (B, t1 - t0, N, d_v)))
+    return _join(outs)
+
+
 def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask,
                    sliding_window, query_offset, query_chunk_size, dropout_rate, seed,
                    training, return_attention_scores, return_intermediates, auto_chunk):
@@ -544,6 +631,16 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
         k_bounds = [(s0, min(S, s0 + chunk)) for s0 in range(0, S, chunk)]
     wanted = (["attention_scores"] if return_attention_scores else []) + (
         ["scores", "pre_composed", "probs"] if return_intermediates else [])
+    # Causal attention with a static offset >= 0 always sees key 0: no empty row.
+    rows_may_be_empty = not (mask is None and sliding_window is None and use_causal_mask
+                             and isinstance(query_offset, int) and query_offset >= 0)
+    if (len(q_bounds) > MAX_UNROLLED_CHUNKS and not wanted
+            and not (training and dropout_rate > 0.0)
+            and keras.backend.backend() in _LOOPED_BACKENDS):
+        return _attention_looped(q, k, v, mask, pre, post, num_groups=G, chunk=chunk,
+                                 use_causal_mask=use_causal_mask, sliding_window=sliding_window,
+                                 query_offset=query_offset,
+                                 rows_may_be_empty=rows_may_be_empty), {}
 
     # Head-major copies, made once: each block is then two plain batched matmuls.
     N_kv = k.shape[2]
@@ -564,9 +661,6 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
             per_query = wq is not None and len(wq.shape) == 5
             stages[name] = (_split(wq, q_bounds) if per_query else [wq] * len(q_bounds),
                             None if wk is None else _split(wk, k_bounds))
-    # Causal attention with a static offset >= 0 always sees key 0: no empty row.
-    rows_may_be_empty = not (mask is None and sliding_window is None and use_causal_mask
-                             and isinstance(query_offset, int) and query_offset >= 0)
 
     outs, extras = [], []
     for i, (t0, t1) in enumerate(q_bounds):
@@ -606,21 +700,82 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
     return o, result
 
 
-#: Attention cores by name; fast paths register here. Each takes the arguments
-#: of ``_attention_ops`` and returns (o, extras).
+#: Attention cores by name. "ops" is the plain ``keras.ops`` core above.
 IMPLEMENTATIONS = {"ops": _attention_ops}
+
+#: Fast paths: name -> (the Keras backend it runs on, the module that holds it).
+#: dcmha_core never imports them at module import (dependencies point
+#: backends -> dcmha_core); the module is imported on first use. Each module
+#: defines
+#:
+#:   unsupported(call) -> None or a reason (str) why it cannot run this call;
+#:   preferred(call) -> bool, whether ``implementation="auto"`` should take it
+#:       for this call (e.g. Triton only for CUDA tensors);
+#:   attention(**call) -> (o, extras), the contract of ``_attention_ops``;
+#:
+#: where ``call`` is the dict of ``_attention_ops`` keyword arguments (q, k, v
+#: included).
+FAST_PATHS = {
+    "triton": ("torch", "dcmha.backends.triton.keras_core"),
+    "torch": ("torch", "dcmha.backends.torch_native.keras_core"),
+    "pallas": ("jax", "dcmha.backends.pallas.keras_core"),
+    "xla": ("tensorflow", "dcmha.backends.xla.keras_core"),
+}
+
+#: The fast paths ``implementation="auto"`` tries, in order, per Keras backend;
+#: the first that supports and prefers the call wins, else "ops".
+AUTO_ORDER = {"torch": ("triton", "torch"), "jax": ("pallas",), "tensorflow": ("xla",)}
 
 
 def resolve_implementation(implementation):
-    """The registered core name that ``implementation`` stands for."""
-    if implementation == "auto":
-        return "ops"
-    if implementation not in IMPLEMENTATIONS:
+    """Validate an ``implementation`` name ("auto", "ops" or a fast path's)."""
+    known = ("auto",) + tuple(IMPLEMENTATIONS) + tuple(FAST_PATHS)
+    if not isinstance(implementation, str) or implementation not in known:
         raise ValueError(
-            "`implementation` must be one of "
-            f"{sorted(('auto',) + tuple(IMPLEMENTATIONS))}. "
+            f"`implementation` must be one of {sorted(known)}. "
             f"Received: implementation={implementation!r}")
     return implementation
+
+
+def _fast_path(name):
+    import importlib
+    return importlib.import_module(FAST_PATHS[name][1])
+
+
+def select_implementation(implementation, call):
+    """The core that runs ``call`` (a dict of ``_attention_ops`` arguments).
+
+    Returns (name, function). "auto" takes the first fast path of the active
+    Keras backend that supports and prefers the call, else "ops"; a fast path
+    named explicitly must run here, or a ValueError says why not.
+    """
+    resolve_implementation(implementation)
+    backend = keras.backend.backend()
+    if implementation == "auto":
+        for name in AUTO_ORDER.get(backend, ()):
+            try:
+                module = _fast_path(name)
+            except ImportError:
+                continue
+            if module.unsupported(call) is None and module.preferred(call):
+                return name, module.attention
+        return "ops", IMPLEMENTATIONS["ops"]
+    if implementation in IMPLEMENTATIONS:
+        return implementation, IMPLEMENTATIONS[implementation]
+    needs = FAST_PATHS[implementation][0]
+    if backend != needs:
+        raise ValueError(
+            f"`implementation={implementation!r}` runs on the {needs!r} Keras backend. "
+            f"Received: the active Keras backend is {backend!r}")
+    try:
+        module = _fast_path(implementation)
+    except ImportError as e:
+        raise ValueError(f"`implementation={implementation!r}` is not available here: "
+                         f"{e}") from None
+    reason = module.unsupported(call)
+    if reason is not None:
+        raise ValueError(f"`implementation={implementation!r}` cannot run this call: {reason}")
+    return implementation, module.attention
 
 
 def dcmha_attention(q, k, v, *, num_groups=1, pre=None, post=None, attention_mask=None,
@@ -651,13 +806,14 @@ def dcmha_attention(q, k, v, *, num_groups=1, pre=None, post=None, attention_mas
             probabilities (B, N, T, S).
         return_intermediates: also return "scores", "pre_composed", "probs"
             (B, N, T, S) (for tests and conformance).
-        implementation: "auto" or a key of ``IMPLEMENTATIONS``.
+        implementation: "auto", "ops" or a fast path of ``FAST_PATHS``
+            (see ``select_implementation``).
 
     Returns:
         o (B, T, N, d_v) float32, or (o, extras) when scores or intermediates are
         asked for (a dict with "attention_scores" and/or the intermediates).
     """
-    name = resolve_implementation(implementation)
+    resolve_implementation(implementation)
     _check_qkv(q, k, v)
     (B, T, N, _), S = _shape(q), k.shape[1]
     _check_groups(num_groups, N)
@@ -679,13 +835,15 @@ def dcmha_attention(q, k, v, *, num_groups=1, pre=None, post=None, attention_mas
                          None if N is None else N // num_groups)
     pre, post = ({n: ops.cast(w, "float32") for n, w in terms.items()} if terms else None
                  for terms in (pre, post))
-    o, extras = IMPLEMENTATIONS[name](
-        q, k, v, num_groups=num_groups, pre=pre, post=post,
-        attention_mask=attention_mask, use_causal_mask=use_causal_mask,
-        sliding_window=sliding_window, query_offset=query_offset,
-        query_chunk_size=query_chunk_size, dropout_rate=dropout_rate, seed=seed,
-        training=training, return_attention_scores=return_attention_scores,
-        return_intermediates=return_intermediates, auto_chunk=implementation == "auto")
+    call = dict(q=q, k=k, v=v, num_groups=num_groups, pre=pre, post=post,
+                attention_mask=attention_mask, use_causal_mask=use_causal_mask,
+                sliding_window=sliding_window, query_offset=query_offset,
+                query_chunk_size=query_chunk_size, dropout_rate=dropout_rate, seed=seed,
+                training=training, return_attention_scores=return_attention_scores,
+                return_intermediates=return_intermediates,
+                auto_chunk=implementation == "auto")
+    _, core = select_implementation(implementation, call)
+    o, extras = core(**call)
     if return_attention_scores or return_intermediates:
         return o, extras
     return o

@@ -15,6 +15,9 @@ import dcmha
 from dcmha.layers import DCMHA, DynamicWeightProjection
 from dcmha.spec import reference
 
+#: The implementation names the layer and dcmha.ops accept, as their error lists them.
+IMPLEMENTATION_NAMES = "['auto', 'ops', 'pallas', 'torch', 'triton', 'xla']"
+
 BACKEND = keras.backend.backend()
 
 
@@ -55,8 +58,8 @@ def np_(x):
                                 "of one. Received: output_shape=(4, 2)"),
     (dict(output_shape=0), "`output_shape` must be None, a positive integer or a 1-tuple of "
                            "one. Received: output_shape=0"),
-    (dict(implementation="cuda"), "`implementation` must be one of ['auto', 'ops']. "
-                                  "Received: implementation='cuda'"),
+    (dict(implementation="cuda"), "`implementation` must be one of "
+                                  f"{IMPLEMENTATION_NAMES}. Received: implementation='cuda'"),
     (dict(seed="7"), "`seed` must be None or an integer. Received: seed='7'"),
 ])
 def test_init_rejects_bad_arguments(kwargs, message):

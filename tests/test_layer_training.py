@@ -82,7 +82,7 @@ def test_gradients_are_finite_with_fully_masked_rows(rng):
     assert np.any(grads[0] != 0)
 
 
-def _gradients(layer, x, mask):
+def _gradients(layer, x, mask, causal=False):
     """Gradients of sum(output) w.r.t. the input and the trainable variables."""
     if BACKEND == "jax":
         import jax
@@ -91,7 +91,8 @@ def _gradients(layer, x, mask):
         ntv = [v.value for v in layer.non_trainable_variables]
 
         def loss(tv, x):
-            y, _ = layer.stateless_call(tv, ntv, x, x, attention_mask=mask)
+            y, _ = layer.stateless_call(tv, ntv, x, x, attention_mask=mask,
+                                        use_causal_mask=causal)
             return y.sum()
         g_tv, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(tv, x)
         return [np.asarray(g_x)] + [np.asarray(g) for g in g_tv]
@@ -99,13 +100,41 @@ def _gradients(layer, x, mask):
         import torch
 
         xt = torch.tensor(x, requires_grad=True)
-        layer(xt, xt, attention_mask=torch.tensor(mask)).sum().backward()
+        layer(xt, xt, attention_mask=torch.tensor(mask), use_causal_mask=causal).sum().backward()
         return [xt.grad.numpy()] + [v.value.grad.numpy() for v in layer.trainable_variables]
     import tensorflow as tf
 
     xt = tf.constant(x)
     with tf.GradientTape() as tape:
         tape.watch(xt)
-        loss = tf.reduce_sum(layer(xt, xt, attention_mask=mask))
+        loss = tf.reduce_sum(layer(xt, xt, attention_mask=mask, use_causal_mask=causal))
     grads = tape.gradient(loss, [xt] + list(layer.trainable_variables))
     return [g.numpy() for g in grads]
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(num_groups=2, static_compose=True,
+                                                 num_key_value_heads=2, sliding_window=4)])
+def test_looped_chunks_match_unrolled(rng, monkeypatch, kwargs):
+    """Many query chunks run as ops.map loops (jax, tensorflow): same output and gradients."""
+    from dcmha import ops as dops
+
+    x = rng.standard_normal((2, 23, 16)).astype("float32")
+    mask = rng.random((2, 23, 23)) > 0.2
+    mask[1, 3] = False                                    # one fully masked row
+    layers = [DCMHA(num_heads=4, key_dim=8, seed=3, **kwargs, **extra)
+              for extra in (dict(implementation="ops"), dict(query_chunk_size=2))]
+    for layer in layers:
+        layer.build(x.shape, x.shape)
+    weights = {n: w * (5.0 if n in ("qkw", "dd") else 1.0)
+               for n, w in layers[0].spec_weights().items()}
+    for layer in layers:
+        layer.load_spec_weights(weights)
+    monkeypatch.setattr(dops, "MAX_UNROLLED_CHUNKS", 3)    # 12 chunks: looped on jax / tf
+    y0, y1 = (np_(layer(x, x, attention_mask=mask, use_causal_mask=True)) for layer in layers)
+    atol = 2e-6 * max(1.0, np.abs(y0).max())
+    np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=atol)
+    if BACKEND == "numpy":
+        return
+    g0, g1 = (_gradients(layer, x, mask, causal=True) for layer in layers)
+    for a, b in zip(g1, g0):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(b).max()))

@@ -27,6 +27,9 @@ from keras import ops
 from dcmha import ops as dops
 from dcmha.layers import DCMHA
 
+#: The implementation names the layer and dcmha.ops accept, as their error lists them.
+IMPLEMENTATION_NAMES = "['auto', 'ops', 'pallas', 'torch', 'triton', 'xla']"
+
 BACKEND = keras.backend.backend()
 
 
@@ -94,8 +97,8 @@ INIT_ERRORS = [
     (dict(qk_norm=None), "`qk_norm` must be a boolean. Received: qk_norm=None"),
     (dict(output_shape=-3), "`output_shape` must be None, a positive integer or a 1-tuple of "
                             "one. Received: output_shape=-3"),
-    (dict(implementation="triton"), "`implementation` must be one of ['auto', 'ops']. "
-                                    "Received: implementation='triton'"),
+    (dict(implementation="flash"), "`implementation` must be one of "
+                                   f"{IMPLEMENTATION_NAMES}. Received: implementation='flash'"),
     (dict(seed=1.5), "`seed` must be None or an integer. Received: seed=1.5"),
 ]
 
@@ -351,7 +354,8 @@ Q, K, V = f32(2, 3, 4, 8), f32(2, 5, 2, 8), f32(2, 5, 2, 6)
      "`post['static']` must have shape (G, M, M) = (2, 2, 2). "
      "Received: post['static'].shape=(1, 4, 4)"),
     ((Q, K, V), dict(implementation="fast"), ValueError,
-     "`implementation` must be one of ['auto', 'ops']. Received: implementation='fast'"),
+     f"`implementation` must be one of {IMPLEMENTATION_NAMES}. "
+     "Received: implementation='fast'"),
 ])
 def test_ops_dcmha_attention(args, kwargs, error, message):
     with raises(error, message):

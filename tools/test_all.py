@@ -39,14 +39,16 @@ def steps() -> list:
     """(label, environment overrides, pytest arguments or None for the conformance CLI)."""
     out = [("spec", {}, _glob("tests/test_reference*.py", "tests/test_conformance*.py")
             + ["conformance"])]
-    # The hardening suites (validation, numerics, fuzz, determinism, distribution) join these
-    # lists once they pass on every backend.
     keras_tests = _glob("tests/test_layer*.py", "tests/test_export*.py", "tests/test_models*.py",
-                        "tests/test_checkpoints*.py", "tests/test_demo*.py")
+                        "tests/test_checkpoints*.py", "tests/test_demo*.py",
+                        "tests/test_validation*.py", "tests/test_numerics*.py",
+                        "tests/test_fuzz*.py", "tests/test_determinism*.py",
+                        "tests/test_distribution*.py", "tests/test_dispatch*.py")
+    backend_tests = {"torch": _glob("tests/test_torch_native*.py")}
     for b in KERAS_BACKENDS:
-        out.append((f"keras-{b}", {"KERAS_BACKEND": b}, keras_tests))
+        out.append((f"keras-{b}", {"KERAS_BACKEND": b}, keras_tests + backend_tests.get(b, [])))
     out.append(("triton-interpret", {"KERAS_BACKEND": "torch", "TRITON_INTERPRET": "1"},
-                _glob("tests/test_triton*.py")))
+                _glob("tests/test_triton*.py", "tests/test_dispatch*.py")))
     out.append(("pallas-interpret", {"KERAS_BACKEND": "jax"}, _glob("tests/test_pallas*.py")))
     out.append(("tf-xla", {"KERAS_BACKEND": "tensorflow"}, _glob("tests/test_xla*.py")))
     out.append(("conformance", {}, None))
@@ -87,11 +89,9 @@ def run_step(label: str, env_over: dict, args, tmp: Path) -> dict:
     if args is None:
         counts = {"passed": 0, "failed": 0, "skipped": 0}
         if report.exists():
-            data = json.loads(report.read_text())
-            for row in data.get("results", []):
-                key = {"PASS": "passed", "FAIL": "failed", "SKIP": "skipped"}.get(row.get("result"))
-                if key:
-                    counts[key] += 1
+            # The CLI's --json report: {"summary": {"passed", "failed", "skipped"}, "results"}.
+            summary = json.loads(report.read_text()).get("summary", {})
+            counts = {k: int(summary.get(k, 0)) for k in counts}
     else:
         counts = _junit_counts(report)
     status = "ok"

@@ -1,0 +1,126 @@
+"""The "pallas" fast path of ``dcmha.ops.dcmha_attention`` (Keras JAX backend).
+
+``dcmha.ops`` imports this module on first use (see ``dcmha.ops.FAST_PATHS``). It
+wraps the fused kernels ``dcmha.backends.pallas.dcmha_attention`` (a custom_vjp:
+forward and backward kernels) in the contract of the plain core
+``dcmha.ops._attention_ops``: ``attention(**call)`` takes the projected heads
+q (B, T, N, d), k (B, S, N_kv, d), v (B, S, N_kv, d_v) and the compose terms,
+and returns (o (B, T, N, d_v) float32, extras) with extras["attention_scores"]
+(B, N, T, S) when asked for, {} otherwise. Gradients flow through both.
+
+Rules:
+
+* ``unsupported(call)`` (a reason, or None): JAX without Pallas; dropout in
+  training; intermediates (``return_intermediates``); a ``query_offset`` that is
+  traced (e.g. a ``cache_update_index`` inside ``jax.jit``: the kernels take the
+  offset as a static int) or not an integer scalar.
+* ``preferred(call)``: ``jax.default_backend() == "gpu"``, where the kernels
+  compile through Triton, with a static ``query_offset`` (a Python int: a
+  concrete array offset would compile new kernels for every value, e.g. at every
+  eager decoding step). The tiles then always fit: the kernel rounds each
+  block up to a power of two of at least 16 (``tl.dot``'s minimum) and pads
+  the sequences and head dims to them. Not on TPU: the kernels lower only
+  through Triton, so on a TPU they would run in interpret mode (slow). Not on
+  CPU: interpret mode is for tests.
+
+Named explicitly (``implementation="pallas"``) the kernels run anywhere JAX
+runs: interpreted on CPU / TPU, compiled on a GPU.
+
+Conventions checked against ``_attention_ops`` and ``spec/SPEC.md``: the kernel
+scales the scores itself (``scale`` = 1 / sqrt(d), the default), so q is passed
+unscaled; causal is s <= query_offset + t and the window |query_offset + t - s| < W,
+as in the spec; the kernel takes a full (B, T, S) mask, so the broadcastable
+mask is broadcast here; fully masked rows give zeros.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _is_tracer(x) -> bool:
+    import jax
+
+    return isinstance(x, jax.core.Tracer)
+
+
+def _offset_problem(offset):
+    """Why ``query_offset`` cannot be passed to the kernels (None: it can)."""
+    if not hasattr(offset, "shape"):
+        return None                          # a Python / NumPy int (checked by dcmha.ops)
+    if _is_tracer(offset):
+        return ("takes `query_offset` as a static integer, but it is traced (e.g. a "
+                "cache_update_index inside jax.jit); use implementation='ops'. Received: "
+                f"query_offset={offset!r}")
+    dtype = np.dtype(offset.dtype)
+    if tuple(offset.shape) != () or dtype.kind not in "iu":
+        return ("takes `query_offset` as an integer or an integer scalar array. Received: "
+                f"query_offset with shape {tuple(offset.shape)} and dtype {dtype}")
+    return None
+
+
+def unsupported(call):
+    """Why the Pallas kernels cannot run ``call`` (a str), or None when they can."""
+    from dcmha.backends import pallas as pb
+
+    if call.get("return_intermediates"):
+        return ("does not return intermediates (`return_intermediates=True`); use "
+                "implementation='ops'")
+    if call.get("training") and call.get("dropout_rate", 0.0) > 0.0:
+        return ("has no attention dropout: dropout_rate="
+                f"{call['dropout_rate']} with training=True; use implementation='ops'")
+    problem = _offset_problem(call.get("query_offset", 0))
+    if problem is not None:
+        return problem
+    if not pb.is_available():
+        return "needs jax.experimental.pallas, which does not import here"
+    return None
+
+
+def preferred(call) -> bool:
+    """Whether ``implementation="auto"`` takes the kernels: on a GPU, with a static offset."""
+    import jax
+
+    return jax.default_backend() == "gpu" and not hasattr(call.get("query_offset", 0), "shape")
+
+
+def attention(q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask,
+              sliding_window, query_offset, query_chunk_size, dropout_rate, seed, training,
+              return_attention_scores, return_intermediates, auto_chunk):
+    """``_attention_ops`` on the fused Pallas kernels (see the module docstring).
+
+    q: (B, T, N, d), k: (B, S, N_kv, d), v: (B, S, N_kv, d_v); pre / post: dicts
+    of compose terms or None. Returns (o (B, T, N, d_v) float32, extras), extras
+    {"attention_scores": (B, N, T, S) float32} with ``return_attention_scores``,
+    else {}. ``query_chunk_size`` and ``auto_chunk`` are ignored: the kernels
+    tile queries and keys themselves.
+    """
+    import jax.numpy as jnp
+
+    from dcmha import ops as dops
+    from dcmha.backends import pallas as pb
+
+    args = dict(num_groups=num_groups, pre=pre, post=post, attention_mask=attention_mask,
+                use_causal_mask=use_causal_mask, sliding_window=sliding_window,
+                query_offset=query_offset, query_chunk_size=query_chunk_size,
+                dropout_rate=dropout_rate, seed=seed, training=training,
+                return_attention_scores=return_attention_scores,
+                return_intermediates=return_intermediates, auto_chunk=auto_chunk)
+    reason = unsupported(dict(q=q, k=k, v=v, **args))
+    if reason is not None:
+        raise ValueError(f"`implementation='pallas'` cannot run this call: {reason}")
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    stages = [None if not terms else {n: jnp.asarray(w, jnp.float32) for n, w in terms.items()}
+              for terms in (pre, post)]
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    mask = dops._standardize_mask(attention_mask)
+    if mask is not None:
+        mask = jnp.broadcast_to(jnp.asarray(mask, bool), (B, T, S))
+    result = pb.dcmha_attention(
+        q, k, v, num_groups=num_groups, pre=stages[0], post=stages[1], mask=mask,
+        causal=bool(use_causal_mask), sliding_window=sliding_window,
+        query_offset=int(query_offset), return_attention_scores=bool(return_attention_scores))
+    if return_attention_scores:
+        o, scores = result
+        return o, {"attention_scores": scores}
+    return result, {}

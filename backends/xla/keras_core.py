@@ -1,0 +1,124 @@
+"""The "xla" fast path of ``dcmha.ops.dcmha_attention`` (Keras TensorFlow backend).
+
+``dcmha.ops`` imports this module on first use (see ``dcmha.ops.FAST_PATHS``). It
+wraps ``dcmha.backends.xla.dcmha_attention`` (one ``tf.function(jit_compile=True)``
+per static configuration, traced inline inside a caller's XLA computation) in the
+contract of the plain core ``dcmha.ops._attention_ops``: ``attention(**call)``
+takes the projected heads q (B, T, N, d), k (B, S, N_kv, d), v (B, S, N_kv, d_v)
+and the compose terms, and returns (o (B, T, N, d_v) float32, extras) with
+extras["attention_scores"] (B, N, T, S) when asked for, {} otherwise.
+
+Rules:
+
+* ``unsupported(call)`` (a reason, or None): a ``query_offset`` that matters and
+  is not 0, i.e. a non-zero or tensor offset (decoding with a cache) together
+  with the causal mask or a sliding window (the XLA core puts query 0 at
+  position 0; without those masks the offset changes nothing); dropout in
+  training; intermediates (``return_intermediates``); head counts or head sizes
+  (the last two axes of q, k, v) unknown at trace time.
+* ``preferred(call)``: True for every supported call made while TensorFlow
+  traces a graph (inside a ``tf.function``, e.g. Keras ``fit`` / ``predict``,
+  or inside an XLA-compiled function, where the core is traced inline into the
+  caller's computation); False for eager calls. An eager call compiles one XLA
+  function per new shape and configuration, and on CPU that compile (forward
+  and gradient: about 3 s at B=2, N=4, T=S=16; 3.4 s at B=2, N=8, T=S=128;
+  10.6 s at T=S=512) costs as much as 100 or more eager "ops" calls of the same
+  shape (steady state, forward and gradient: 30 ms "ops" vs 6 ms "xla" at
+  T=S=16, 90 ms vs 32 ms at T=S=128, 325 ms vs 291 ms at T=S=512), so a one-off
+  eager call is faster on "ops" at every size; a traced function runs many
+  times and pays the compile once (or not at all when inlined). Taking XLA for
+  eager calls too made tests/test_layer_api.py + tests/test_layer_numerics.py
+  3.7 times slower (18 s -> 68 s).
+
+Conventions checked against ``_attention_ops`` and ``spec/SPEC.md``: the core
+scales the scores itself (``scale`` = 1 / sqrt(d), the default), so q is passed
+unscaled; causal is s <= t and the window |t - s| < W (with causal: the W keys
+ending at t), as in the spec at query_offset 0; the mask is a boolean
+(B|1, T|1, S|1) tensor (``_standardize_mask``) that the core broadcasts; fully
+masked rows give zeros. ``query_chunk_size`` is passed on (None: the core's own
+default, ``default_query_chunk_size``).
+"""
+
+from __future__ import annotations
+
+
+def _offset_problem(call):
+    """Why ``query_offset`` stops the XLA core (None: it does not)."""
+    offset = call.get("query_offset", 0)
+    if not (call.get("use_causal_mask") or call.get("sliding_window") is not None):
+        return None                  # the offset only moves the causal mask and the window
+    if hasattr(offset, "shape") or offset != 0:
+        return ("has no `query_offset` (decoding with a cache_update_index): its causal mask "
+                "and sliding window put query 0 at position 0; use implementation='ops'. "
+                f"Received: query_offset={offset!r}")
+    return None
+
+
+def unsupported(call):
+    """Why the XLA core cannot run ``call`` (a str), or None when it can."""
+    if call.get("return_intermediates"):
+        return ("does not return intermediates (`return_intermediates=True`); use "
+                "implementation='ops'")
+    if call.get("training") and call.get("dropout_rate", 0.0) > 0.0:
+        return ("has no attention dropout: dropout_rate="
+                f"{call['dropout_rate']} with training=True; use implementation='ops'")
+    problem = _offset_problem(call)
+    if problem is not None:
+        return problem
+    q, k, v = call["q"], call["k"], call["v"]
+    static = tuple(q.shape)[2:] + tuple(k.shape)[2:] + tuple(v.shape)[2:]
+    if None in static:
+        return ("needs static head counts and head sizes (the last two axes of q, k and v). "
+                f"Received: q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, "
+                f"v.shape={tuple(v.shape)}")
+    return None
+
+
+def preferred(call) -> bool:
+    """Whether ``implementation="auto"`` takes the XLA core: when TensorFlow traces a graph.
+
+    Eager calls take "ops": their per-shape XLA compile costs more than it saves
+    (see the module docstring).
+    """
+    import tensorflow as tf
+
+    return not tf.executing_eagerly()
+
+
+def attention(q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask,
+              sliding_window, query_offset, query_chunk_size, dropout_rate, seed, training,
+              return_attention_scores, return_intermediates, auto_chunk):
+    """``_attention_ops`` on the XLA-compiled core (see the module docstring).
+
+    q: (B, T, N, d), k: (B, S, N_kv, d), v: (B, S, N_kv, d_v); pre / post: dicts
+    of compose terms or None. Returns (o (B, T, N, d_v) float32, extras), extras
+    {"attention_scores": (B, N, T, S) float32} with ``return_attention_scores``,
+    else {}. ``auto_chunk`` is ignored: with ``query_chunk_size`` None the core
+    picks its own chunk size.
+    """
+    from keras import ops
+
+    from dcmha import ops as dops
+    from dcmha.backends import xla
+
+    args = dict(num_groups=num_groups, pre=pre, post=post, attention_mask=attention_mask,
+                use_causal_mask=use_causal_mask, sliding_window=sliding_window,
+                query_offset=query_offset, query_chunk_size=query_chunk_size,
+                dropout_rate=dropout_rate, seed=seed, training=training,
+                return_attention_scores=return_attention_scores,
+                return_intermediates=return_intermediates, auto_chunk=auto_chunk)
+    reason = unsupported(dict(q=q, k=k, v=v, **args))
+    if reason is not None:
+        raise ValueError(f"`implementation='xla'` cannot run this call: {reason}")
+    q, k, v = (ops.cast(x, "float32") for x in (q, k, v))
+    stages = [None if not terms else {n: ops.cast(w, "float32") for n, w in terms.items()}
+              for terms in (pre, post)]
+    result = xla.dcmha_attention(
+        q, k, v, num_groups=num_groups, pre=stages[0], post=stages[1],
+        mask=dops._standardize_mask(attention_mask), causal=bool(use_causal_mask),
+        sliding_window=sliding_window, query_chunk_size=query_chunk_size,
+        return_attention_scores=bool(return_attention_scores))
+    if return_attention_scores:
+        o, scores = result
+        return o, {"attention_scores": scores}
+    return result, {}

@@ -1,0 +1,624 @@
+"""Dispatch of the attention core: ``implementation=`` names, the "auto" rules and each
+fast path against the plain "ops" core (``dcmha.ops.select_implementation``).
+
+Runs on CPU on the Keras backend of the process (KERAS_BACKEND=jax|torch|tensorflow|numpy);
+what does not apply to that backend is skipped with the reason. The forced-Triton
+comparisons run only in the triton-interpret step (TRITON_INTERPRET=1 KERAS_BACKEND=torch,
+set before the process starts). Interpreted kernels are slow: shapes are tiny (B=1, T<=8,
+N<=4, d<=8).
+
+Tolerances, as in test_layer_numerics.py: rtol 1e-5 and an atol of 2e-5 times the largest
+expected magnitude (the layer's composition weights are scaled up 20x, so compose is far
+from the identity and a wrong compose shows).
+"""
+
+import importlib
+import os
+import re
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import keras
+from keras import ops
+
+from dcmha import ops as dops
+from dcmha.layers import DCMHA
+
+BACKEND = keras.backend.backend()
+#: Every ``implementation`` name, as the error message lists them.
+NAMES = ["auto", "ops", "pallas", "torch", "triton", "xla"]
+#: The fast paths whose refusal messages this file words exactly (the "torch" path is
+#: tested by its own module's tests).
+WORDED_HERE = ("triton", "pallas", "xla")
+#: TRITON_INTERPRET as the process started (Triton reads it when first imported).
+INTERPRET_STEP = (BACKEND == "torch" and os.environ.get("TRITON_INTERPRET") == "1"
+                  and "tensorflow" not in sys.modules)
+TRITON_MSG = ("`implementation='triton'` cannot run this call: needs CUDA tensors, or "
+              "TRITON_INTERPRET=1 set before triton is imported, to run on CPU. "
+              "Received: q on cpu")
+
+needs_torch = pytest.mark.skipif(BACKEND != "torch", reason="a rule of the torch backend")
+needs_jax = pytest.mark.skipif(BACKEND != "jax", reason="the Pallas path runs on the jax backend")
+needs_tf = pytest.mark.skipif(BACKEND != "tensorflow",
+                              reason="the XLA path runs on the tensorflow backend")
+needs_interpret = pytest.mark.skipif(
+    not INTERPRET_STEP, reason="runs in the triton-interpret step only "
+    "(TRITON_INTERPRET=1 KERAS_BACKEND=torch, without TensorFlow in the process)")
+
+# A small layer with every switch that reaches the attention core: GQA, two groups, static
+# and dynamic compose terms in both stages, QK-norm, RoPE, a sliding window.
+LAYER = dict(num_heads=4, key_dim=8, num_key_value_heads=2, num_groups=2, static_compose=True,
+             qk_norm=True, rope_max_wavelength=100.0, use_bias=True, sliding_window=4)
+
+
+def np_(x):
+    return np.asarray(ops.convert_to_numpy(ops.cast(x, "float32")), dtype=np.float64)
+
+
+def assert_close(got, expected, rtol=1e-5, atol_rel=2e-5):
+    got, expected = np_(got), np.asarray(expected, np.float64)
+    assert got.shape == expected.shape
+    assert np.all(np.isfinite(got))
+    atol = atol_rel * max(1.0, np.abs(expected).max())
+    np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol)
+
+
+# ---------------------------------------------------------------------------
+# Problems and helpers
+# ---------------------------------------------------------------------------
+
+TERM_NAMES = ("qw1", "qw2", "kw1", "kw2", "qdd", "kdd", "static")
+
+
+def problem(seed=0, B=1, T=6, S=6, N=4, N_kv=2, d=8, d_v=8, G=2, R=2):
+    """Random float32 q (B, T, N, d), k (B, S, N_kv, d), v (B, S, N_kv, d_v) and both
+    stages' compose terms (NumPy), plus a (B, T, S) mask with a fully masked row."""
+    rng = np.random.default_rng(seed)
+    M = N // G
+
+    def a(*shape, scale=1.0):
+        return rng.normal(0.0, scale, size=shape).astype(np.float32)
+
+    def stage():
+        return dict(qw1=a(B, T, G, R, M, scale=0.5), qw2=a(B, T, G, R, M, scale=0.5),
+                    kw1=a(B, S, G, R, M, scale=0.5), kw2=a(B, S, G, R, M, scale=0.5),
+                    qdd=a(B, T, G, M, scale=0.5), kdd=a(B, S, G, M, scale=0.5),
+                    static=a(G, M, M, scale=0.5))
+
+    mask = rng.random((B, T, S)) > 0.3
+    mask[0, 1] = False
+    return dict(q=a(B, T, N, d), k=a(B, S, N_kv, d), v=a(B, S, N_kv, d_v), pre=stage(),
+                post=stage(), mask=mask, do=a(B, T, N, d_v), G=G)
+
+
+def make_call(p=None, **overrides):
+    """The ``call`` dict ``dcmha_attention`` hands to the cores, on backend tensors."""
+    p = p or problem()
+    t = ops.convert_to_tensor
+    call = dict(q=t(p["q"]), k=t(p["k"]), v=t(p["v"]), num_groups=p["G"],
+                pre={n: t(w) for n, w in p["pre"].items()},
+                post={n: t(w) for n, w in p["post"].items()}, attention_mask=None,
+                use_causal_mask=False, sliding_window=None, query_offset=0,
+                query_chunk_size=None, dropout_rate=0.0, seed=None, training=False,
+                return_attention_scores=False, return_intermediates=False, auto_chunk=True)
+    call.update(overrides)
+    return call
+
+
+def attention_kwargs(p):
+    """dcmha_attention keyword arguments of a problem: mask, causal, window 3, offset 0."""
+    return dict(num_groups=p["G"], attention_mask=ops.convert_to_tensor(p["mask"]),
+                use_causal_mask=True, sliding_window=3, return_attention_scores=True)
+
+
+@pytest.fixture
+def chosen(monkeypatch):
+    """The names ``select_implementation`` returns during the test, in call order."""
+    names = []
+    real = dops.select_implementation
+
+    def spy(implementation, call):
+        name, fn = real(implementation, call)
+        names.append(name)
+        return name, fn
+
+    monkeypatch.setattr(dops, "select_implementation", spy)
+    return names
+
+
+def make_layers(reference_case, impl, kwargs=LAYER, T=6):
+    """(case, {"ops": layer, impl: layer}) sharing the spec weights of one case."""
+    case = reference_case(kwargs, B=1, T=T)
+    layers = {}
+    for name in ("ops", impl):
+        layer = DCMHA(**{**case["cfg"].to_dict(), "implementation": name})
+        layer.load_spec_weights(case["params"])
+        layers[name] = layer
+    return case, layers
+
+
+def layer_mask(case, rng):
+    """A (B, 1, T, T) mask (Keras' broadcast head axis) with a fully masked row."""
+    B, T = case["query"].shape[:2]
+    mask = rng.random((B, 1, T, T)) > 0.3
+    mask[0, 0, 2] = False
+    return mask
+
+
+def fast_path(name):
+    """The fast-path module, or skip when it does not import here."""
+    try:
+        return importlib.import_module(dops.FAST_PATHS[name][1])
+    except ImportError as e:
+        pytest.skip(f"the {name!r} fast path does not import here: {e}")
+
+
+def own_fast_paths():
+    return [n for n, (backend, _) in dops.FAST_PATHS.items() if backend == BACKEND]
+
+
+# ---------------------------------------------------------------------------
+# Names (every backend)
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["cuda", "Triton", None, 3])
+def test_unknown_implementation_is_refused(bad):
+    message = f"`implementation` must be one of {NAMES}. Received: implementation={bad!r}"
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        dops.resolve_implementation(bad)
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        dops.select_implementation(bad, make_call())
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        DCMHA(4, 8, implementation=bad)
+    p = problem()
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        dops.dcmha_attention(p["q"], p["k"], p["v"], num_groups=2, implementation=bad)
+
+
+def test_every_name_is_accepted_by_the_layer():
+    for name in NAMES:
+        assert DCMHA(4, 8, implementation=name).get_config()["implementation"] == name
+
+
+def test_registry_names_backends_and_auto_order():
+    assert sorted(("auto",) + tuple(dops.IMPLEMENTATIONS) + tuple(dops.FAST_PATHS)) == NAMES
+    assert {n: b for n, (b, _) in dops.FAST_PATHS.items()} == {
+        "triton": "torch", "torch": "torch", "pallas": "jax", "xla": "tensorflow"}
+    for backend, order in dops.AUTO_ORDER.items():
+        assert all(dops.FAST_PATHS[n][0] == backend for n in order), (backend, order)
+
+
+@pytest.mark.parametrize("name", sorted(dops.FAST_PATHS))
+def test_fast_path_on_another_backend_is_refused(name, reference_case, call_layer):
+    needs = dops.FAST_PATHS[name][0]
+    if needs == BACKEND:
+        pytest.skip(f"{name!r} runs on this backend ({BACKEND})")
+    message = (f"`implementation={name!r}` runs on the {needs!r} Keras backend. "
+               f"Received: the active Keras backend is {BACKEND!r}")
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        dops.select_implementation(name, make_call())
+    case, layers = make_layers(reference_case, name)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call_layer(layers[name], case["query"], case["query"])
+
+
+def test_auto_takes_ops_or_a_fast_path_of_this_backend(chosen, reference_case):
+    name, fn = dops.select_implementation("auto", make_call())
+    assert name in ("ops",) + dops.AUTO_ORDER.get(BACKEND, ())
+    if BACKEND not in dops.AUTO_ORDER:           # numpy: no fast path at all
+        assert (name, fn) == ("ops", dops._attention_ops)
+    if BACKEND == "jax":                         # CPU: the Pallas kernels would interpret
+        assert name == "ops"
+    case, layers = make_layers(reference_case, "ops")
+    layers["ops"](case["query"], case["query"])
+    assert chosen == [name, "ops"]
+
+
+def test_explicit_ops_is_the_plain_core():
+    assert dops.select_implementation("ops", make_call()) == ("ops", dops._attention_ops)
+    call = make_call(training=True, dropout_rate=0.5, return_intermediates=True)
+    assert dops.select_implementation("ops", call) == ("ops", dops._attention_ops)
+
+
+@pytest.mark.parametrize("what", ["dropout", "intermediates"])
+def test_own_fast_paths_refuse_dropout_and_intermediates(what):
+    names = own_fast_paths()
+    if not names:
+        pytest.skip(f"the {BACKEND} backend has no fast path")
+    over = (dict(training=True, dropout_rate=0.25) if what == "dropout"
+            else dict(return_intermediates=True))
+    reason = ("has no attention dropout: dropout_rate=0.25 with training=True; use "
+              "implementation='ops'" if what == "dropout" else
+              "does not return intermediates (`return_intermediates=True`); use "
+              "implementation='ops'")
+    for name in names:
+        module = fast_path(name)
+        call = make_call(**over)
+        got = module.unsupported(call)
+        assert isinstance(got, str), name
+        if name not in WORDED_HERE:     # another module's wording: only that it refuses
+            with pytest.raises(ValueError, match="^" + re.escape(
+                    f"`implementation={name!r}` cannot run this call: ")):
+                dops.select_implementation(name, call)
+            continue
+        assert got == reason, name
+        with pytest.raises(ValueError, match="^" + re.escape(
+                f"`implementation={name!r}` cannot run this call: {reason}") + "$"):
+            dops.select_implementation(name, call)
+        # The same call is fine without the option, for the rule's own part.
+        if what == "dropout":
+            assert module.unsupported(make_call(training=False, dropout_rate=0.25)) != reason
+            assert module.unsupported(make_call(training=True, dropout_rate=0.0)) != reason
+    # auto falls back to ops for them.
+    assert dops.select_implementation("auto", make_call(**over))[0] not in names
+
+
+# ---------------------------------------------------------------------------
+# Triton: the rules (no Triton import needed)
+# ---------------------------------------------------------------------------
+
+def _fake_tensor(device_type):
+    return types.SimpleNamespace(is_cuda=device_type == "cuda", shape=(1, 6, 4, 8),
+                                 device=types.SimpleNamespace(type=device_type))
+
+
+def test_importing_the_triton_path_does_not_import_triton():
+    before = "triton" in sys.modules
+    kc = importlib.import_module("dcmha.backends.triton.keras_core")
+    assert callable(kc.unsupported) and callable(kc.preferred) and callable(kc.attention)
+    if not before:
+        assert "triton" not in sys.modules
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_triton_preferred_only_for_cuda_tensors_with_triton(monkeypatch, installed):
+    kc = importlib.import_module("dcmha.backends.triton.keras_core")
+    monkeypatch.setattr(kc, "_triton_installed", lambda: installed)
+    assert kc.preferred({"q": _fake_tensor("cuda")}) is installed
+    assert kc.preferred({"q": _fake_tensor("cpu")}) is False
+    assert kc.preferred({"q": _fake_tensor("meta")}) is False
+    if BACKEND == "torch":
+        assert kc.preferred(make_call()) is False          # a real CPU tensor
+
+
+@needs_torch
+def test_auto_takes_triton_for_cuda_tensors(monkeypatch):
+    kc = importlib.import_module("dcmha.backends.triton.keras_core")
+    monkeypatch.setattr(kc, "_triton_installed", lambda: True)
+    monkeypatch.setattr(kc, "_interpreting", lambda: False)
+    q = _fake_tensor("cuda")
+    call = dict(q=q, k=q, v=q, pre=None, post=None, query_offset=0, training=False,
+                dropout_rate=0.0, return_attention_scores=False, return_intermediates=False)
+    if "tensorflow" in sys.modules and "triton" not in sys.modules:
+        pytest.skip("TensorFlow is imported in this process: Triton must not be imported")
+    assert kc.unsupported(call) is None
+    name, fn = dops.select_implementation("auto", call)
+    assert (name, fn) == ("triton", kc.attention)
+    # Triton is tried first, but a call it cannot run goes on down the order.
+    call["training"], call["dropout_rate"] = True, 0.1
+    assert dops.select_implementation("auto", call)[0] != "triton"
+
+
+@needs_torch
+def test_auto_never_takes_triton_for_cpu_tensors(chosen, reference_case):
+    before = "triton" in sys.modules
+    call = make_call()
+    name, _ = dops.select_implementation("auto", call)
+    assert name != "triton"
+    try:
+        native = importlib.import_module(dops.FAST_PATHS["torch"][1])
+    except ImportError:
+        native = None                 # no "torch" fast path (yet): auto must be "ops"
+    takes_native = (native is not None and native.unsupported(call) is None
+                    and native.preferred(call))
+    assert name == ("torch" if takes_native else "ops")
+    case, layers = make_layers(reference_case, "ops")
+    layer = DCMHA(**{**case["cfg"].to_dict(), "implementation": "auto"})
+    layer.load_spec_weights(case["params"])
+    y = layer(case["query"], case["query"], use_causal_mask=True)
+    assert "triton" not in chosen[1:]
+    assert_close(y, np_(layers["ops"](case["query"], case["query"], use_causal_mask=True)))
+    if not before:
+        assert "triton" not in sys.modules           # auto never imports Triton for CPU
+
+
+@needs_torch
+def test_forced_triton_on_cpu_without_interpret_is_refused(monkeypatch, reference_case):
+    kernels = sys.modules.get("dcmha.backends.triton.dcmha_triton")
+    if kernels is not None and kernels._interpreting():
+        pytest.skip("Triton was loaded in interpret mode in this process")
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    before = "triton" in sys.modules
+    with pytest.raises(ValueError, match="^" + re.escape(TRITON_MSG) + "$"):
+        dops.select_implementation("triton", make_call())
+    p = problem()
+    with pytest.raises(ValueError, match="^" + re.escape(TRITON_MSG) + "$"):
+        dops.dcmha_attention(p["q"], p["k"], p["v"], num_groups=2, implementation="triton")
+    case, layers = make_layers(reference_case, "triton")
+    with pytest.raises(ValueError, match=re.escape(TRITON_MSG)):
+        layers["triton"](case["query"], case["query"])
+    if not before:
+        assert "triton" not in sys.modules
+
+
+@needs_torch
+def test_triton_refuses_other_calls_it_cannot_run():
+    kc = importlib.import_module("dcmha.backends.triton.keras_core")
+    p = problem()
+    p["post"]["qw1"] = p["post"]["qw1"][:, :, :, :1]
+    p["post"]["qw2"] = p["post"]["qw2"][:, :, :, :1]
+    assert kc.unsupported(make_call(p)) == (
+        "takes one rank R for every dynamic projection. Received: ranks [1, 2]")
+    offset = ops.convert_to_tensor(2.0)
+    assert kc.unsupported(make_call(query_offset=offset)) == (
+        "takes `query_offset` as an integer or an integer scalar tensor. Received: "
+        f"query_offset={offset!r}")
+
+
+# ---------------------------------------------------------------------------
+# Triton: forced, interpreted on CPU, against "ops"
+# ---------------------------------------------------------------------------
+
+@needs_interpret
+def test_forced_triton_matches_ops_in_the_layer(reference_case, rng, chosen):
+    import torch
+
+    case, layers = make_layers(reference_case, "triton")
+    mask = layer_mask(case, rng)
+    x = case["query"]
+    with torch.no_grad():
+        out = {n: layer(x, x, attention_mask=mask, use_causal_mask=True,
+                        return_attention_scores=True) for n, layer in layers.items()}
+    assert chosen == ["ops", "triton"]
+    for got, want in zip(out["triton"], out["ops"]):
+        assert_close(got, np_(want))
+    assert np.all(np_(out["triton"][1])[0, :, 2] == 0.0)     # the fully masked row
+
+
+@needs_interpret
+def test_forced_triton_refuses_scores_while_autograd_records(reference_case):
+    case, layers = make_layers(reference_case, "triton")
+    message = ("`implementation='triton'` cannot run this call: returns attention scores that "
+               "are not differentiable, and autograd is recording; call under torch.no_grad() "
+               "or use implementation='ops'")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        layers["triton"](case["query"], case["query"], return_attention_scores=True)
+
+
+@needs_interpret
+def test_forced_triton_gradients_match_ops():
+    import torch
+
+    p = problem(seed=3)
+    grads = {}
+    for name in ("ops", "triton"):
+        leaves = {n: torch.tensor(p[n], requires_grad=True) for n in ("q", "k", "v")}
+        stages = {st: {n: torch.tensor(w, requires_grad=True) for n, w in p[st].items()}
+                  for st in ("pre", "post")}
+        kw = attention_kwargs(p)
+        kw["return_attention_scores"] = False
+        o = dops.dcmha_attention(leaves["q"], leaves["k"], leaves["v"], pre=stages["pre"],
+                                 post=stages["post"], implementation=name, **kw)
+        (o * torch.tensor(p["do"])).sum().backward()
+        grads[name] = dict(o=o.detach(), **{n: x.grad for n, x in leaves.items()},
+                           **{f"{st}/{n}": w.grad for st, ws in stages.items()
+                              for n, w in ws.items()})
+    assert set(grads["triton"]) == set(grads["ops"])
+    for n, want in grads["ops"].items():
+        assert grads["triton"][n] is not None, n
+        assert_close(grads["triton"][n], np_(want))
+
+
+@needs_interpret
+def test_forced_triton_decoding_matches_ops(reference_case, chosen):
+    import torch
+
+    case, layers = make_layers(reference_case, "triton", T=7)
+    x = case["query"]
+    outs = {}
+    for name, layer in layers.items():
+        cache, steps = layer.init_cache(1, 8), []
+        with torch.no_grad():
+            for start, stop, index in ((0, 4, 0), (4, 5, 4),
+                                       (5, 7, ops.convert_to_tensor(5, "int32"))):
+                y, s, cache = layer(x[:, start:stop], x[:, start:stop], use_causal_mask=True,
+                                    cache=cache, cache_update_index=index,
+                                    return_attention_scores=True)
+                steps += [y, s]
+        outs[name] = steps
+    assert chosen == ["ops"] * 3 + ["triton"] * 3
+    for got, want in zip(outs["triton"], outs["ops"]):
+        assert_close(got, np_(want))
+
+
+# ---------------------------------------------------------------------------
+# Pallas (jax): the rules, and forced (interpreted on CPU) against "ops"
+# ---------------------------------------------------------------------------
+
+@needs_jax
+@pytest.mark.parametrize("platform,expected", [("gpu", True), ("cpu", False), ("tpu", False)])
+def test_pallas_preferred_on_a_gpu_only(monkeypatch, platform, expected):
+    import jax
+
+    kc = fast_path("pallas")
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    call = make_call()
+    assert kc.unsupported(call) is None
+    assert kc.preferred(call) is expected
+    assert dops.select_implementation("auto", call)[0] == ("pallas" if expected else "ops")
+    # A concrete array offset would compile new kernels for every value: not preferred.
+    assert kc.preferred(make_call(query_offset=jax.numpy.asarray(2))) is False
+
+
+@needs_jax
+def test_forced_pallas_matches_ops_in_the_layer(reference_case, rng, chosen, call_layer):
+    case, layers = make_layers(reference_case, "pallas")
+    mask = layer_mask(case, rng)
+    x = case["query"]
+    out = {n: call_layer(layer, x, x, attention_mask=mask, use_causal_mask=True,
+                         return_attention_scores=True) for n, layer in layers.items()}
+    assert chosen == ["ops", "pallas"]
+    for got, want in zip(out["pallas"], out["ops"]):
+        assert_close(got, np_(want))
+
+
+@needs_jax
+def test_forced_pallas_gradients_match_ops():
+    import jax
+    import jax.numpy as jnp
+
+    p = problem(seed=3)
+    kw = attention_kwargs(p)
+
+    def loss(args, name):
+        o, extras = dops.dcmha_attention(args["q"], args["k"], args["v"], pre=args["pre"],
+                                         post=args["post"], implementation=name, **kw)
+        s = extras["attention_scores"]
+        # Both results carry gradients; weight the scores so a missing one shows.
+        return jnp.sum(o * p["do"]) + jnp.sum(s * jnp.arange(s.size).reshape(s.shape) / s.size)
+
+    args = {n: jnp.asarray(p[n]) for n in ("q", "k", "v")}
+    args.update(pre={n: jnp.asarray(w) for n, w in p["pre"].items()},
+                post={n: jnp.asarray(w) for n, w in p["post"].items()})
+    grads = {name: jax.jit(jax.value_and_grad(lambda a, n=name: loss(a, n)))(args)
+             for name in ("ops", "pallas")}
+    assert_close(grads["pallas"][0], np_(grads["ops"][0]))
+    flat_ops = jax.tree_util.tree_leaves_with_path(grads["ops"][1])
+    flat_pl = dict(jax.tree_util.tree_leaves_with_path(grads["pallas"][1]))
+    assert len(flat_ops) == 3 + 2 * len(TERM_NAMES)
+    for path, want in flat_ops:
+        assert_close(flat_pl[path], np_(want))
+
+
+@needs_jax
+def test_forced_pallas_decoding_matches_ops(reference_case, chosen, call_layer):
+    case, layers = make_layers(reference_case, "pallas", T=7)
+    x = case["query"]
+    outs = {}
+    for name, layer in layers.items():
+        cache, steps = layer.init_cache(1, 8), []
+        for start, stop in ((0, 4), (4, 5), (5, 7)):
+            y, s, cache = call_layer(layer, x[:, start:stop], x[:, start:stop],
+                                     use_causal_mask=True, cache=cache,
+                                     cache_update_index=start, return_attention_scores=True)
+            steps += [y, s]
+        outs[name] = steps
+    assert chosen == ["ops"] * 3 + ["pallas"] * 3
+    for got, want in zip(outs["pallas"], outs["ops"]):
+        assert_close(got, np_(want))
+
+
+@needs_jax
+def test_pallas_refuses_a_traced_offset_and_auto_falls_back(chosen):
+    import jax
+
+    p = problem()
+
+    def run(offset, name):
+        return dops.dcmha_attention(p["q"], p["k"], p["v"], num_groups=2, use_causal_mask=True,
+                                    query_offset=offset, implementation=name)
+
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "`implementation='pallas'` cannot run this call: takes `query_offset` as a static "
+            "integer, but it is traced (e.g. a cache_update_index inside jax.jit); use "
+            "implementation='ops'. Received: query_offset=") + r"\w*Tracer\("):
+        jax.jit(lambda i: run(i, "pallas"))(2)
+    auto = jax.jit(lambda i: run(i, "auto"))(2)
+    assert chosen[-1] == "ops"
+    assert_close(auto, np_(run(2, "ops")))
+
+
+# ---------------------------------------------------------------------------
+# XLA (tensorflow): auto in traced functions, forced against "ops"
+# ---------------------------------------------------------------------------
+
+@needs_tf
+def test_auto_takes_xla_when_traced_and_ops_eagerly(reference_case, rng, chosen):
+    import tensorflow as tf
+
+    case, layers = make_layers(reference_case, "ops")
+    auto = DCMHA(**{**case["cfg"].to_dict(), "implementation": "auto"})
+    auto.load_spec_weights(case["params"])
+    mask = layer_mask(case, rng)
+    x = case["query"]
+    kw = dict(attention_mask=mask, use_causal_mask=True, return_attention_scores=True)
+    want = layers["ops"](x, x, **kw)
+    eager = auto(x, x, **kw)
+    traced = tf.function(lambda a: auto(a, a, **kw))(x)
+    assert chosen == ["ops", "ops", "xla"]
+    for got_e, got_t, w in zip(eager, traced, want):
+        assert_close(got_e, np_(w))
+        assert_close(got_t, np_(w))
+
+
+@needs_tf
+def test_forced_xla_matches_ops_in_the_layer_with_gradients(reference_case, rng, chosen):
+    import tensorflow as tf
+
+    case, layers = make_layers(reference_case, "xla")
+    mask = layer_mask(case, rng)
+    x = tf.constant(case["query"])
+    res = {}
+    for name, layer in layers.items():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y, s = layer(x, x, attention_mask=mask, use_causal_mask=True,
+                         return_attention_scores=True)
+            # Both results carry gradients; weight the scores so a missing one shows.
+            weights = np.linspace(0.0, 1.0, int(np.prod(s.shape)), dtype=np.float32)
+            loss = tf.reduce_sum(y * y) + tf.reduce_sum(s * weights.reshape(s.shape))
+        gx, *gw = tape.gradient(loss, [x] + layer.trainable_variables)
+        res[name] = [y, s, gx] + gw
+    assert chosen == ["ops", "xla"]
+    assert len(res["xla"]) == len(res["ops"])
+    for got, want in zip(res["xla"], res["ops"]):
+        assert got is not None
+        assert_close(got, np_(want))
+
+
+@needs_tf
+def test_forced_xla_with_a_decode_cache_is_refused(reference_case, chosen):
+    import tensorflow as tf
+
+    case, layers = make_layers(reference_case, "xla", T=7)
+    x = case["query"]
+    message = ("`implementation='xla'` cannot run this call: has no `query_offset` (decoding "
+               "with a cache_update_index): its causal mask and sliding window put query 0 at "
+               "position 0; use implementation='ops'. Received: query_offset=4")
+    cache = layers["xla"].init_cache(1, 8)
+    _, cache = layers["xla"](x[:, :4], x[:, :4], use_causal_mask=True, cache=cache,
+                             cache_update_index=0)             # offset 0: XLA runs it
+    with pytest.raises(ValueError, match=re.escape(message)):
+        layers["xla"](x[:, 4:], x[:, 4:], use_causal_mask=True, cache=cache,
+                      cache_update_index=4)
+    # auto, traced, falls back to ops for the same step (and gives the ops result).
+    auto = DCMHA(**{**case["cfg"].to_dict(), "implementation": "auto"})
+    auto.load_spec_weights(case["params"])
+    chosen.clear()
+    step = tf.function(lambda a, c: auto(a, a, use_causal_mask=True, cache=c,
+                                         cache_update_index=4))
+    y_auto, _ = step(x[:, 4:], cache)
+    y_ops, _ = layers["ops"](x[:, 4:], x[:, 4:], use_causal_mask=True, cache=cache,
+                             cache_update_index=4)
+    assert chosen == ["ops", "ops"]
+    assert_close(y_auto, np_(y_ops))
+
+
+@needs_tf
+def test_xla_ignores_an_offset_without_causal_mask_or_window():
+    kc = fast_path("xla")
+    assert kc.unsupported(make_call(query_offset=3)) is None
+    assert kc.unsupported(make_call(query_offset=3, use_causal_mask=True)) is not None
+    assert kc.unsupported(make_call(query_offset=3, sliding_window=2)) is not None
+    assert kc.unsupported(make_call(query_offset=0, use_causal_mask=True)) is None
+    p = problem()
+    want = dops.dcmha_attention(p["q"], p["k"], p["v"], num_groups=2, pre=p["pre"],
+                                query_offset=3, implementation="ops")
+    got = dops.dcmha_attention(p["q"], p["k"], p["v"], num_groups=2, pre=p["pre"],
+                               query_offset=3, implementation="xla")
+    assert_close(got, np_(want))
