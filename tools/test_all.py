@@ -47,8 +47,10 @@ def steps() -> list:
     backend_tests = {"torch": _glob("tests/test_torch_native*.py")}
     for b in KERAS_BACKENDS:
         out.append((f"keras-{b}", {"KERAS_BACKEND": b}, keras_tests + backend_tests.get(b, [])))
-    out.append(("triton-interpret", {"KERAS_BACKEND": "torch", "TRITON_INTERPRET": "1"},
-                _glob("tests/test_triton*.py", "tests/test_dispatch*.py")))
+    triton_env = {"KERAS_BACKEND": "torch", "TRITON_INTERPRET": "1"}
+    out.append(("triton-interpret", triton_env, _glob("tests/test_triton*.py")))
+    # Its own process: the dispatch tests may import TensorFlow, after which Triton aborts.
+    out.append(("dispatch-triton", triton_env, _glob("tests/test_dispatch*.py")))
     out.append(("pallas-interpret", {"KERAS_BACKEND": "jax"}, _glob("tests/test_pallas*.py")))
     out.append(("tf-xla", {"KERAS_BACKEND": "tensorflow"}, _glob("tests/test_xla*.py")))
     out.append(("conformance", {}, None))
