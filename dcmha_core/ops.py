@@ -742,15 +742,35 @@ def _fast_path(name):
     return importlib.import_module(FAST_PATHS[name][1])
 
 
+def core_result(result, return_attention_scores):
+    """A fast path's kernel result as the cores return it: (o, extras).
+
+    ``result`` is o, or (o, scores) with ``return_attention_scores``.
+    """
+    if return_attention_scores:
+        o, scores = result
+        return o, {"attention_scores": scores}
+    return result, {}
+
+
+def _symbolic_torch(q):
+    """Torch "meta" tensors: Keras infers output shapes, which the plain core gives."""
+    return getattr(getattr(q, "device", None), "type", None) == "meta"
+
+
 def select_implementation(implementation, call):
     """The core that runs ``call`` (a dict of ``_attention_ops`` arguments).
 
     Returns (name, function). "auto" takes the first fast path of the active
     Keras backend that supports and prefers the call, else "ops"; a fast path
-    named explicitly must run here, or a ValueError says why not.
+    named explicitly must run here, or a ValueError says why not. A fast path's
+    ``attention`` is only called after its ``unsupported`` returned None here.
+    Shape inference on torch (meta tensors) always runs "ops".
     """
     resolve_implementation(implementation)
     backend = keras.backend.backend()
+    if backend == "torch" and _symbolic_torch(call["q"]):
+        return "ops", IMPLEMENTATIONS["ops"]
     if implementation == "auto":
         for name in AUTO_ORDER.get(backend, ()):
             try:

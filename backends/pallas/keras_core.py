@@ -100,15 +100,6 @@ def attention(q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask
     from dcmha import ops as dops
     from dcmha.backends import pallas as pb
 
-    args = dict(num_groups=num_groups, pre=pre, post=post, attention_mask=attention_mask,
-                use_causal_mask=use_causal_mask, sliding_window=sliding_window,
-                query_offset=query_offset, query_chunk_size=query_chunk_size,
-                dropout_rate=dropout_rate, seed=seed, training=training,
-                return_attention_scores=return_attention_scores,
-                return_intermediates=return_intermediates, auto_chunk=auto_chunk)
-    reason = unsupported(dict(q=q, k=k, v=v, **args))
-    if reason is not None:
-        raise ValueError(f"`implementation='pallas'` cannot run this call: {reason}")
     q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
     stages = [None if not terms else {n: jnp.asarray(w, jnp.float32) for n, w in terms.items()}
               for terms in (pre, post)]
@@ -120,7 +111,4 @@ def attention(q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask
         q, k, v, num_groups=num_groups, pre=stages[0], post=stages[1], mask=mask,
         causal=bool(use_causal_mask), sliding_window=sliding_window,
         query_offset=int(query_offset), return_attention_scores=bool(return_attention_scores))
-    if return_attention_scores:
-        o, scores = result
-        return o, {"attention_scores": scores}
-    return result, {}
+    return dops.core_result(result, return_attention_scores)

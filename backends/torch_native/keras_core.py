@@ -22,7 +22,8 @@ module implements the registry's contract:
 * ``attention(**call)``: the contract of ``dcmha.ops._attention_ops``:
   (o (B, T, N, d_v) float32, extras), extras holding "attention_scores"
   (B, N, T, S) when asked for (differentiable). Meta tensors (symbolic shape
-  inference) get the plain core's result, which computes the shapes.
+  inference) never reach it: ``dcmha.ops.select_implementation`` gives them
+  the plain core, which computes the shapes.
 
 ``query_chunk_size``, when given, is the block size (it bounds the largest
 block as it bounds the "ops" core's largest intermediate); otherwise
@@ -86,36 +87,17 @@ def preferred(call):
     return int(q.shape[1]) * int(k.shape[1]) >= MIN_PREFERRED_TS
 
 
-def _mask(attention_mask):
-    """Rank <= 3 bool mask broadcastable to (B, T, S), or None (as ops._standardize_mask)."""
-    if attention_mask is None:
-        return None
-    torch = _torch()
-    m = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
-    if m.ndim == 4:                  # (B, 1, T, S): a broadcast head axis
-        m = m[:, 0]
-    return m
-
-
 def attention(q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask,
               sliding_window, query_offset, query_chunk_size, dropout_rate, seed, training,
               return_attention_scores, return_intermediates, auto_chunk):
     """The contract of ``dcmha.ops._attention_ops`` (see the module doc)."""
-    if q.device.type == "meta":
-        # Shape inference (a symbolic call): the plain core gives the output specs.
-        from dcmha import ops as dops
-        return dops._attention_ops(
-            q, k, v, num_groups=num_groups, pre=pre, post=post, attention_mask=attention_mask,
-            use_causal_mask=use_causal_mask, sliding_window=sliding_window,
-            query_offset=query_offset, query_chunk_size=query_chunk_size,
-            dropout_rate=dropout_rate, seed=seed, training=training,
-            return_attention_scores=return_attention_scores,
-            return_intermediates=return_intermediates, auto_chunk=auto_chunk)
+    from dcmha import ops as dops
+
     from . import dcmha_torch
     torch = _torch()
     f32 = torch.float32
     q, k, v = q.to(f32), k.to(f32), v.to(f32)
-    mask = _mask(attention_mask)
+    mask = dops._standardize_mask(attention_mask)
     if mask is not None and mask.device != q.device:
         mask = mask.to(q.device)
     out = dcmha_torch.dcmha_attention(
@@ -123,7 +105,4 @@ def attention(q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask
         causal=bool(use_causal_mask), sliding_window=sliding_window,
         query_offset=_offset(query_offset), block_q=query_chunk_size,
         return_attention_scores=bool(return_attention_scores))
-    if return_attention_scores:
-        o, scores = out
-        return o, {"attention_scores": scores}
-    return out, {}
+    return dops.core_result(out, return_attention_scores)

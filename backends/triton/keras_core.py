@@ -26,8 +26,9 @@ Rules:
 * ``preferred(call)``: q is a CUDA tensor and Triton is installed (so
   ``implementation="auto"`` never imports Triton for CPU tensors).
 
-Meta tensors (Keras' shape inference of a symbolic call) are supported: the
-output shapes are those of the plain core, which computes them.
+Meta tensors (Keras' shape inference of a symbolic call) never reach this
+module: ``dcmha.ops.select_implementation`` gives them the plain core, which
+computes the output shapes.
 
 Conventions checked against ``_attention_ops`` and ``spec/SPEC.md``: the kernel
 scales the scores itself (``scale`` = 1 / sqrt(d), the default), so q is passed
@@ -107,8 +108,6 @@ def unsupported(call):
     if len(ranks) > 1:
         return ("takes one rank R for every dynamic projection. Received: ranks "
                 f"{sorted(ranks)}")
-    if device == "meta":
-        return None                          # shape inference only (see ``attention``)
     if not _triton_installed():
         return "needs Triton, which is not installed (pip install triton)"
     interpret = _interpreting()
@@ -160,19 +159,6 @@ def attention(q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask
     from keras import ops
 
     from dcmha import ops as dops
-
-    args = dict(num_groups=num_groups, pre=pre, post=post, attention_mask=attention_mask,
-                use_causal_mask=use_causal_mask, sliding_window=sliding_window,
-                query_offset=query_offset, query_chunk_size=query_chunk_size,
-                dropout_rate=dropout_rate, seed=seed, training=training,
-                return_attention_scores=return_attention_scores,
-                return_intermediates=return_intermediates, auto_chunk=auto_chunk)
-    reason = unsupported(dict(q=q, k=k, v=v, **args))
-    if reason is not None:
-        raise ValueError(f"`implementation='triton'` cannot run this call: {reason}")
-    if _device_type(q) == "meta":           # Keras shape inference: same shapes as "ops"
-        return dops._attention_ops(q, k, v, **args)
-
     from dcmha.backends import triton as tb
 
     q, k, v = (ops.cast(x, "float32") for x in (q, k, v))
@@ -188,7 +174,4 @@ def attention(q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask
         q, k, v, num_groups=num_groups, pre=stages[0], post=stages[1], mask=mask,
         causal=bool(use_causal_mask), sliding_window=sliding_window,
         query_offset=int(offset), return_attention_scores=bool(return_attention_scores))
-    if return_attention_scores:
-        o, scores = result
-        return o, {"attention_scores": scores}
-    return result, {}
+    return dops.core_result(result, return_attention_scores)
