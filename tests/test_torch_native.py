@@ -10,10 +10,14 @@ same inputs, as in tests/test_triton_kernel.py. Then the Keras fast path ("torch
 ``implementation="ops"``.
 
 Runs with KERAS_BACKEND=torch (skipped on the other Keras backends). Shapes are tiny and
-blocks small (``block_q`` 2 to 4), so every test crosses block boundaries.
+blocks small (``block_q`` 2 to 4), so every test crosses block boundaries. Every test runs
+twice: with the compiled compose kernel (``cpu_kernel``) and with the plain PyTorch ops it
+replaces (``DCMHA_TORCH_KERNEL=0``); ``test_compiled_kernel_sizes`` covers the kernel's
+vectorised sizes (at least 16 visible keys per block) and its generic loops.
 """
 
 import math
+import shutil
 import subprocess
 import sys
 
@@ -26,13 +30,24 @@ if keras.backend.backend() != "torch":
 torch = pytest.importorskip("torch")
 
 from dcmha.backends import torch_native as tn  # noqa: E402
-from dcmha.backends.torch_native import dcmha_torch, keras_core  # noqa: E402
+from dcmha.backends.torch_native import cpu_kernel, dcmha_torch, keras_core  # noqa: E402
 from dcmha.spec import reference as ref  # noqa: E402
 from dcmha.spec import reference_grad as ref_grad  # noqa: E402
 from dcmha.spec import tolerance as tol  # noqa: E402
 
 TERMS = ("qw1", "qw2", "kw1", "kw2", "qdd", "kdd", "static")
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@pytest.fixture(autouse=True, params=["c-kernel", "torch-ops"])
+def compose_kernel(request, monkeypatch):
+    """Run the test with the compiled compose kernel, then with the plain PyTorch ops."""
+    monkeypatch.setenv("DCMHA_TORCH_KERNEL", "1" if request.param == "c-kernel" else "0")
+    cpu_kernel._reset()
+    if request.param == "c-kernel" and cpu_kernel.load() is None:
+        pytest.skip(f"compose kernel unavailable: {cpu_kernel.unavailable_reason()}")
+    yield request.param
+    cpu_kernel._reset()
 
 
 # ---------------------------------------------------------------------------
@@ -172,6 +187,31 @@ def test_each_term_alone(stage, term):
     p = make_problem(1, pre=names if stage == "pre" else None,
                      post=names if stage == "post" else None)
     check(p, causal=True, against_reference=False)
+
+
+@pytest.mark.parametrize("N,G,R,S", [(8, 1, 2, 40), (8, 2, 1, 35), (16, 1, 4, 33),
+                                     (4, 2, 2, 48), (4, 4, 1, 20), (6, 2, 3, 20),
+                                     (8, 1, 5, 17)])
+def test_compiled_kernel_sizes(N, G, R, S):
+    """M = N / G in 1, 2, 4, 8, 16 with R in 1, 2, 4 take the vectorised loops (16 keys a
+    vector, a generic tail for S % 16); M = 3 or R = 5 the generic loops throughout."""
+    p = make_problem(20 + N + G + R + S, B=1, T=6, S=S, N=N, N_kv=N // 2, d=4, d_v=3, G=G,
+                     R=R)
+    check(p, query_offset=S - 6, causal=True, block_q=4, against_reference=False)
+    check(p, block_q=8, against_reference=False)
+
+
+def test_compiled_kernel_builds_where_a_compiler_exists(monkeypatch):
+    if not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler on this machine")
+    monkeypatch.setenv("DCMHA_TORCH_KERNEL", "1")
+    cpu_kernel._reset()
+    assert cpu_kernel.load() is not None, cpu_kernel.unavailable_reason()
+    assert cpu_kernel.unavailable_reason() is None
+    monkeypatch.setenv("DCMHA_TORCH_KERNEL", "0")
+    cpu_kernel._reset()
+    assert cpu_kernel.load() is None
+    assert cpu_kernel.unavailable_reason() == "disabled by DCMHA_TORCH_KERNEL"
 
 
 def test_plain_attention_and_identity_compose():

@@ -33,6 +33,14 @@ query-side compose:
   along s, their gradients reductions over the block's queries;
 * the softmax and its backward run along the contiguous last axis.
 
+On CPU the two preceding items (the whole compose of a block and its
+backward) run as one compiled C pass over the block instead
+(``cpu_kernel``, built on first use when a C compiler is present). At B=2,
+T=1024, N=8, causal, the composes then cost 8 instead of 17 ms of the forward
+and 42 instead of 85 ms of forward + backward
+(``benchmarks/torch_compose_kernel.py``). The separate PyTorch ops stay as
+the fallback (no compiler, other devices, ``DCMHA_TORCH_KERNEL=0``).
+
 Masked entries get -1e30 added before the softmax (only in the key columns a
 block's mask can hide: the diagonal band for causal attention), so their
 probabilities are exactly 0, and so are their composed values (compose mixes
@@ -60,6 +68,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from . import cpu_kernel
 from . import is_available  # noqa: F401  (re-exported)
 
 __all__ = ["dcmha_attention", "dcmha_attention_reference", "default_block_q", "is_available"]
@@ -444,6 +453,18 @@ def _scores(q3, k3, scale, ws, name, t0, t1, s0, s1):
     return x.transpose(1, 2)
 
 
+def _kernel(x):
+    """The compiled compose kernel (``cpu_kernel``) for a CPU block, else None."""
+    return cpu_kernel.load() if x.device.type == "cpu" else None
+
+
+def _block_terms(st, t0, t1, s0, s1):
+    """(wq, kw1, kw2, kdd) (or their gradients) restricted to a block's rows / key columns."""
+    wq, kw1, kw2, kdd = st
+    return (None if wq is None else wq[:, t0:t1], None if kw1 is None else kw1[..., s0:s1],
+            None if kw2 is None else kw2[..., s0:s1], None if kdd is None else kdd[..., s0:s1])
+
+
 def _hidden(x5, w, out):
     """out[b, t, g, r, s] = sum_m x5[b, t, g, m, s] * w[b, g, r, m, s]."""
     w = w[:, None]                                                # (B, 1, G, R, M, s)
@@ -465,6 +486,11 @@ def _compose(x, st, pb: _Problem, ws, out_name, h_name, t0, t1, s0, s1, inplace)
         return x, None
     B, t, N, s = x.shape
     G, M = pb.G, pb.M
+    lib = _kernel(x)
+    if lib is not None:
+        out = x if inplace else ws.take(out_name, B, t, N, s)
+        cpu_kernel.compose_forward(lib, x, out, _block_terms(st, t0, t1, s0, s1), G, pb.R)
+        return out, None
     x5 = x.unflatten(2, (G, M))
     h = None
     if kw1 is not None:
@@ -506,6 +532,10 @@ def _compose_backward(x, g, h, st, dst, pb: _Problem, ws, out_name, t0, t1, s0, 
     d_wq, d_kw1, d_kw2, d_kdd = dst
     B, t, N, s = x.shape
     G, M = pb.G, pb.M
+    lib = _kernel(x)
+    if lib is not None:          # dx in place of g
+        return cpu_kernel.compose_backward(lib, x, g, g, _block_terms(st, t0, t1, s0, s1),
+                                           _block_terms(dst, t0, t1, s0, s1), G, pb.R)
     x5, g5 = x.unflatten(2, (G, M)), g.unflatten(2, (G, M))
     tmp = ws.take("tmp", B, t, G, M, s)
     gk = None
