@@ -33,6 +33,11 @@ import time
 import numpy as np
 
 
+#: TensorFlow only: XLA-compile the whole step / forward (``--tf-xla``), as Keras's
+#: ``Model.fit`` / ``predict`` do on TensorFlow by default (``jit_compile="auto"``).
+_TF_JIT = None
+
+
 def make_step(layer, x):
     """A zero-argument callable running one training step and blocking on it."""
     import keras
@@ -73,7 +78,7 @@ def make_step(layer, x):
 
         xt = tf.constant(x)
 
-        @tf.function
+        @tf.function(jit_compile=_TF_JIT)
         def grad_step(inp):
             with tf.GradientTape() as tape:
                 tape.watch(inp)
@@ -123,7 +128,7 @@ def make_forward(layer, x):
 
         xt = tf.constant(x)
 
-        @tf.function
+        @tf.function(jit_compile=_TF_JIT)
         def fwd(inp):
             return layer(inp, inp, use_causal_mask=True)
 
@@ -162,8 +167,13 @@ def main(argv=None):
                              "or 'keep'")
     parser.add_argument("--no-forward", action="store_true",
                         help="time the training step only")
+    parser.add_argument("--tf-xla", action="store_true",
+                        help="tensorflow: tf.function(jit_compile=True) around the step and the "
+                             "forward (what Model.fit / predict use by default)")
     parser.add_argument("--json", default=None, help="write the results to this file")
     args = parser.parse_args(argv)
+    global _TF_JIT
+    _TF_JIT = True if args.tf_xla else None
     if args.omp_wait_policy != "keep":
         os.environ.setdefault("OMP_WAIT_POLICY", args.omp_wait_policy)
 

@@ -5,7 +5,7 @@ forward + backward of mean(o ** 2)) in three settings, alternating, medians:
 
 * ``kernel``: every compose term (pre and post, query- and key-wise, projection and
   gating), the compose run by the compiled C kernel (``cpu_kernel``);
-* ``torch-ops``: the same with ``DCMHA_TORCH_KERNEL=0`` (the plain PyTorch ops);
+* ``torch-ops``: the same with ``DCMHA_CPU_KERNEL=0`` (the plain PyTorch ops);
 * ``no-compose``: no compose terms (the blocked core alone);
 
 and ``torch.nn.functional.scaled_dot_product_attention`` at the same shape.
@@ -32,7 +32,8 @@ def main(argv=None):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     import torch
-    from dcmha.backends.torch_native import cpu_kernel, dcmha_torch
+    from dcmha.backends import cpu_kernel
+    from dcmha.backends.torch_native import dcmha_torch
 
     B, T, N, d, G, R = args.batch, args.length, args.heads, args.head_dim, 1, 2
     M = N // G
@@ -76,7 +77,7 @@ def main(argv=None):
     times = {}
     for rep in range(args.repeats + 1):           # the first round warms up
         for name, env, fn in settings:
-            os.environ["DCMHA_TORCH_KERNEL"] = env
+            os.environ["DCMHA_CPU_KERNEL"] = env
             cpu_kernel._reset()
             for what, grad in (("forward", False), ("step", True)):
                 ms = timed(fn, grad)

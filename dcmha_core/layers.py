@@ -190,19 +190,23 @@ class DCMHA(keras.layers.Layer):
             backend: "triton" (torch; CUDA tensors, or CPU tensors with
             TRITON_INTERPRET=1 set before Triton is imported), "torch"
             (torch), "pallas" (jax; compiled on a GPU, interpreted
-            elsewhere), "xla" (tensorflow; no decoding offset with the causal
-            mask or a window). No fast path does training dropout or
-            intermediates. A fast path named here must be able to run the
+            elsewhere), "jax_cpu" (jax on CPU) and "tf_cpu" (tensorflow on
+            CPU, outside XLA clusters), whose composes run in a C kernel
+            compiled on first use, "xla" (tensorflow; no decoding offset with
+            the causal mask or a window). No fast path does training dropout
+            or intermediates. A fast path named here must be able to run the
             call, or the call raises a ValueError saying why. "auto" (the
             default) takes, per call, the first fast path of the active
             backend that can run the call and is preferred for it, else
             "ops" (then choosing a query chunk size for speed when
             ``query_chunk_size`` is None): on torch "triton" for CUDA
             tensors with Triton installed, then "torch" when its rule
-            prefers it; on jax "pallas" on a GPU with a static query offset;
-            on tensorflow "xla" inside a traced ``tf.function`` (eager calls
-            take "ops": a per-shape XLA compile costs more than one call
-            saves). See ``dcmha.ops.select_implementation``.
+            prefers it; on jax "pallas" on a GPU with a static query offset,
+            then "jax_cpu" on CPU for T * S >= 8192; on tensorflow "tf_cpu"
+            on CPU for T * S >= 8192 (eager or in a ``tf.function``), then
+            "xla" inside a traced ``tf.function`` (eager calls take "ops": a
+            per-shape XLA compile costs more than one call saves). See
+            ``dcmha.ops.select_implementation``.
         kernel_initializer, bias_initializer: for the four projections.
         seed: int or None; seeds dropout and the initializers.
 

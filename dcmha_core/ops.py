@@ -720,11 +720,14 @@ FAST_PATHS = {
     "torch": ("torch", "dcmha.backends.torch_native.keras_core"),
     "pallas": ("jax", "dcmha.backends.pallas.keras_core"),
     "xla": ("tensorflow", "dcmha.backends.xla.keras_core"),
+    "jax_cpu": ("jax", "dcmha.backends.jax_cpu.keras_core"),
+    "tf_cpu": ("tensorflow", "dcmha.backends.tf_cpu.keras_core"),
 }
 
 #: The fast paths ``implementation="auto"`` tries, in order, per Keras backend;
 #: the first that supports and prefers the call wins, else "ops".
-AUTO_ORDER = {"torch": ("triton", "torch"), "jax": ("pallas",), "tensorflow": ("xla",)}
+AUTO_ORDER = {"torch": ("triton", "torch"), "jax": ("pallas", "jax_cpu"),
+              "tensorflow": ("tf_cpu", "xla")}
 
 
 def resolve_implementation(implementation):

@@ -29,7 +29,7 @@ from dcmha.layers import DCMHA
 
 BACKEND = keras.backend.backend()
 #: Every ``implementation`` name, as the error message lists them.
-NAMES = ["auto", "ops", "pallas", "torch", "triton", "xla"]
+NAMES = ["auto", "jax_cpu", "ops", "pallas", "tf_cpu", "torch", "triton", "xla"]
 #: The fast paths whose refusal messages this file words exactly (the "torch" path is
 #: tested by its own module's tests).
 WORDED_HERE = ("triton", "pallas", "xla")
@@ -186,7 +186,8 @@ def test_every_name_is_accepted_by_the_layer():
 def test_registry_names_backends_and_auto_order():
     assert sorted(("auto",) + tuple(dops.IMPLEMENTATIONS) + tuple(dops.FAST_PATHS)) == NAMES
     assert {n: b for n, (b, _) in dops.FAST_PATHS.items()} == {
-        "triton": "torch", "torch": "torch", "pallas": "jax", "xla": "tensorflow"}
+        "triton": "torch", "torch": "torch", "pallas": "jax", "xla": "tensorflow",
+        "jax_cpu": "jax", "tf_cpu": "tensorflow"}
     for backend, order in dops.AUTO_ORDER.items():
         assert all(dops.FAST_PATHS[n][0] == backend for n in order), (backend, order)
 
@@ -210,7 +211,7 @@ def test_auto_takes_ops_or_a_fast_path_of_this_backend(chosen, reference_case):
     assert name in ("ops",) + dops.AUTO_ORDER.get(BACKEND, ())
     if BACKEND not in dops.AUTO_ORDER:           # numpy: no fast path at all
         assert (name, fn) == ("ops", dops._attention_ops)
-    if BACKEND == "jax":                         # CPU: the Pallas kernels would interpret
+    if BACKEND == "jax":     # CPU: Pallas would interpret; the call is too small for jax_cpu
         assert name == "ops"
     case, layers = make_layers(reference_case, "ops")
     layers["ops"](case["query"], case["query"])

@@ -5,7 +5,6 @@ Tolerances are the spec's conformance policy (``dcmha.spec.tolerance``) computed
 float64 spec result of the same inputs.
 """
 
-import math
 import os
 import subprocess
 import sys
@@ -18,76 +17,26 @@ pytest.importorskip("jax.experimental.pallas", reason="the Pallas backend needs 
 
 import jax.numpy as jnp  # noqa: E402
 
+import kernel_cases  # noqa: E402
 from dcmha.backends import pallas as pb  # noqa: E402
-from dcmha.spec import reference as ref  # noqa: E402
-from dcmha.spec import reference_grad as ref_grad  # noqa: E402
-from dcmha.spec import tolerance as tol  # noqa: E402
-
-TERMS = ("qw1", "qw2", "kw1", "kw2", "qdd", "kdd", "static")
+from kernel_cases import TERMS, assert_close  # noqa: E402
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
 
-def make_problem(seed, *, B=1, T=11, S=13, N=4, N_kv=2, d=8, d_v=4, G=2, R=2, pre=TERMS,
-                 post=TERMS, dtype="float32", scores=False):
-    """Random inputs and cotangents as float32 NumPy arrays exactly representable in dtype."""
-    rng = np.random.default_rng(seed)
-    M = N // G
-
-    def arr(*shape, scale=1.0):
-        return tol.round_to_dtype(rng.normal(0.0, scale, size=shape), dtype)
-
-    shapes = dict(qw1=(B, T, G, R, M), qw2=(B, T, G, R, M), kw1=(B, S, G, R, M),
-                  kw2=(B, S, G, R, M), qdd=(B, T, G, M), kdd=(B, S, G, M), static=(G, M, M))
-
-    def stage(names):
-        return None if names is None else {n: arr(*shapes[n], scale=0.5) for n in names}
-
-    return dict(q=arr(B, T, N, d), k=arr(B, S, N_kv, d), v=arr(B, S, N_kv, d_v), G=G,
-                pre=stage(pre), post=stage(post), do=arr(B, T, N, d_v),
-                dscores=arr(B, N, T, S) if scores else None, dtype=dtype)
+def make_problem(seed, *, scores=False, **kwargs):
+    """A ``kernel_cases`` problem (B=1, T=11, S=13, N=4, N_kv=2, G=2 unless given); with
+    ``scores`` the attention scores are returned and get a cotangent ("ds")."""
+    defaults = dict(B=1, T=11, S=13, N=4, N_kv=2, d=8, d_v=4, G=2, R=2)
+    return kernel_cases.make_problem(seed, **{**defaults, **kwargs}, scores_grad=scores)
 
 
 def full_mask(p, mask, causal, window, offset=0):
-    B, T, S = p["q"].shape[0], p["q"].shape[1], p["k"].shape[1]
-    return ref.make_mask(B, T, S, attention_mask=mask, use_causal_mask=causal,
-                         sliding_window=window, query_offset=offset)
+    return kernel_cases.full_mask(p, mask=mask, causal=causal, sliding_window=window,
+                                  query_offset=offset)
 
 
 def spec_result(p, mask):
-    """Forward and gradients of the kernel's function by the NumPy spec (float64).
-
-    mask: (B, T, S) bool, the full mask. Returns ({name: array}, sigma).
-    """
-    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
-    q, k, v, do = f64(p["q"]), f64(p["k"]), f64(p["v"]), f64(p["do"])
-    pre = {n: f64(x) for n, x in (p["pre"] or {}).items()}
-    post = {n: f64(x) for n, x in (p["post"] or {}).items()}
-    G, rep, scale = p["G"], q.shape[2] // k.shape[2], 1.0 / math.sqrt(q.shape[3])
-    kh, vh = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
-    scores = np.einsum("btnh,bsnh->bnts", q, kh) * scale
-    A = ref.compose(scores, G, **pre)
-    P = ref.masked_softmax(A, mask)
-    P2 = ref.compose(P, G, **post)
-    P3 = np.where(mask[:, None], P2, 0.0)
-    out = {"output": np.einsum("bnts,bsnh->btnh", P3, vh)}
-    if p["dscores"] is not None:
-        out["attention_scores"] = P3
-    dP3 = np.einsum("btnh,bsnh->bnts", do, vh)
-    if p["dscores"] is not None:
-        dP3 = dP3 + f64(p["dscores"])
-    dP2 = np.where(mask[:, None], dP3, 0.0)
-    dP, g_post = ref_grad.compose_backward(P, dP2, G, **post)
-    dA = ref_grad.masked_softmax_backward(P, dP, mask)
-    ds, g_pre = ref_grad.compose_backward(scores, dA, G, **pre)
-    B, S, N_kv = k.shape[:3]
-    out["grad/q"] = np.einsum("bnts,bsnh->btnh", ds, kh) * scale
-    out["grad/k"] = (np.einsum("bnts,btnh->bsnh", ds, q) * scale).reshape(
-        B, S, N_kv, rep, -1).sum(3)
-    out["grad/v"] = np.einsum("bnts,btnh->bsnh", P3, do).reshape(B, S, N_kv, rep, -1).sum(3)
-    for stage, g in (("pre", g_pre), ("post", g_post)):
-        for n in (p[stage] or {}):
-            out[f"grad/{stage}/{n}"] = g[n]
-    return out, tol.score_scale(A, mask)
+    return kernel_cases.spec_result(p, mask, scores=p["ds"] is not None)
 
 
 def run_jax(fn, p, kw):
@@ -98,8 +47,8 @@ def run_jax(fn, p, kw):
         return None if x is None else jax.tree.map(lambda a: jnp.asarray(a, dt), x)
 
     args = (cast(p["q"]), cast(p["k"]), cast(p["v"]), cast(p["pre"]), cast(p["post"]))
-    with_scores = p["dscores"] is not None
-    ct = cast(p["do"]) if not with_scores else (cast(p["do"]), cast(p["dscores"]))
+    with_scores = p["ds"] is not None
+    ct = cast(p["do"]) if not with_scores else (cast(p["do"]), cast(p["ds"]))
 
     @jax.jit
     def go(*args):
@@ -117,18 +66,6 @@ def run_jax(fn, p, kw):
         for n, x in (g or {}).items():
             res[f"grad/{stage}/{n}"] = x
     return {n: np.asarray(x.astype(jnp.float32)) for n, x in res.items()}
-
-
-def assert_close(got, expected, dtype, sigma, label):
-    """Every array within the conformance policy's tolerance of the float64 spec."""
-    assert sorted(got) == sorted(expected), label
-    tols = tol.case_tolerances(expected, list(expected), dtype, sigma)
-    for name, want in expected.items():
-        assert got[name].shape == want.shape, (label, name)
-        t = tols[name]
-        ok = tol.within(got[name], want, t["atol"], t["rtol"])
-        err = float(np.max(np.abs(got[name] - want)))
-        assert ok.all(), f"{label} {name}: max|err| {err:.3g} > atol {t['atol']} (rtol {t['rtol']})"
 
 
 def check(p, *, mask=None, causal=False, window=None, offset=0, blocks=(4, 8), reference=False):

@@ -12,7 +12,7 @@ same inputs, as in tests/test_triton_kernel.py. Then the Keras fast path ("torch
 Runs with KERAS_BACKEND=torch (skipped on the other Keras backends). Shapes are tiny and
 blocks small (``block_q`` 2 to 4), so every test crosses block boundaries. Every test runs
 twice: with the compiled compose kernel (``cpu_kernel``) and with the plain PyTorch ops it
-replaces (``DCMHA_TORCH_KERNEL=0``); ``test_compiled_kernel_sizes`` covers the kernel's
+replaces (``DCMHA_CPU_KERNEL=0``); ``test_compiled_kernel_sizes`` covers the kernel's
 vectorised sizes (at least 16 visible keys per block) and its generic loops.
 """
 
@@ -29,20 +29,19 @@ if keras.backend.backend() != "torch":
     pytest.skip("the torch-native core runs on the Keras torch backend", allow_module_level=True)
 torch = pytest.importorskip("torch")
 
+import kernel_cases  # noqa: E402
+from dcmha.backends import cpu_kernel  # noqa: E402
 from dcmha.backends import torch_native as tn  # noqa: E402
-from dcmha.backends.torch_native import cpu_kernel, dcmha_torch, keras_core  # noqa: E402
-from dcmha.spec import reference as ref  # noqa: E402
-from dcmha.spec import reference_grad as ref_grad  # noqa: E402
-from dcmha.spec import tolerance as tol  # noqa: E402
+from dcmha.backends.torch_native import dcmha_torch, keras_core  # noqa: E402
+from kernel_cases import TERMS, assert_close, spec_result  # noqa: E402
 
-TERMS = ("qw1", "qw2", "kw1", "kw2", "qdd", "kdd", "static")
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @pytest.fixture(autouse=True, params=["c-kernel", "torch-ops"])
 def compose_kernel(request, monkeypatch):
     """Run the test with the compiled compose kernel, then with the plain PyTorch ops."""
-    monkeypatch.setenv("DCMHA_TORCH_KERNEL", "1" if request.param == "c-kernel" else "0")
+    monkeypatch.setenv("DCMHA_CPU_KERNEL", "1" if request.param == "c-kernel" else "0")
     cpu_kernel._reset()
     if request.param == "c-kernel" and cpu_kernel.load() is None:
         pytest.skip(f"compose kernel unavailable: {cpu_kernel.unavailable_reason()}")
@@ -54,60 +53,9 @@ def compose_kernel(request, monkeypatch):
 # Problems and the float64 truth
 # ---------------------------------------------------------------------------
 
-def make_problem(seed, *, B=2, T=11, S=9, N=4, N_kv=2, d=8, d_v=6, G=1, R=2, pre=TERMS,
-                 post=TERMS, dtype="float32", scores_grad=True):
-    """Random q, k, v, stage dicts, dO (and dScores) as float64 arrays representable in dtype."""
-    rng = np.random.default_rng(seed)
-    M = N // G
-
-    def arr(*shape, scale=1.0):
-        return tol.round_to_dtype(rng.normal(0.0, scale, size=shape), dtype)
-
-    shapes = dict(qw1=(B, T, G, R, M), qw2=(B, T, G, R, M), kw1=(B, S, G, R, M),
-                  kw2=(B, S, G, R, M), qdd=(B, T, G, M), kdd=(B, S, G, M), static=(G, M, M))
-
-    def stage(names):
-        return None if names is None else {n: arr(*shapes[n], scale=0.5) for n in names}
-
-    return dict(q=arr(B, T, N, d), k=arr(B, S, N_kv, d), v=arr(B, S, N_kv, d_v), G=G,
-                pre=stage(pre), post=stage(post), do=arr(B, T, N, d_v),
-                ds=arr(B, N, T, S) if scores_grad else None)
-
-
-def spec_result(p, mask):
-    """Forward and gradients by the NumPy spec (float64); mask: the full (B, T, S) mask.
-
-    The loss is sum(o * dO) + sum(scores * dScores). Returns ({name: array}, sigma).
-    """
-    f64 = {n: np.asarray(p[n], np.float64) for n in ("q", "k", "v", "do")}
-    pre = {n: np.asarray(x, np.float64) for n, x in (p["pre"] or {}).items()}
-    post = {n: np.asarray(x, np.float64) for n, x in (p["post"] or {}).items()}
-    q, k, v, do = f64["q"], f64["k"], f64["v"], f64["do"]
-    G, rep, scale = p["G"], q.shape[2] // k.shape[2], 1.0 / math.sqrt(q.shape[3])
-    kh, vh = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
-    scores = np.einsum("btnh,bsnh->bnts", q, kh) * scale
-    A = ref.compose(scores, G, **pre) if p["pre"] is not None else scores
-    P = ref.masked_softmax(A, mask)
-    P2 = ref.compose(P, G, **post) if p["post"] is not None else P
-    P3 = np.where(mask[:, None], P2, 0.0)
-    out = {"output": np.einsum("bnts,bsnh->btnh", P3, vh), "attention_scores": P3}
-    dP3 = np.einsum("btnh,bsnh->bnts", do, vh)
-    if p["ds"] is not None:
-        dP3 = dP3 + p["ds"]
-    dP2 = np.where(mask[:, None], dP3, 0.0)
-    dP, g_post = (ref_grad.compose_backward(P, dP2, G, **post) if p["post"] is not None
-                  else (dP2, {}))
-    dA = ref_grad.masked_softmax_backward(P, dP, mask)
-    da, g_pre = (ref_grad.compose_backward(scores, dA, G, **pre) if p["pre"] is not None
-                 else (dA, {}))
-    B, S, N_kv = k.shape[:3]
-    out["grad/q"] = np.einsum("bnts,bsnh->btnh", da, kh) * scale
-    out["grad/k"] = (np.einsum("bnts,btnh->bsnh", da, q) * scale).reshape(
-        B, S, N_kv, rep, -1).sum(3)
-    out["grad/v"] = np.einsum("bnts,btnh->bsnh", P3, do).reshape(B, S, N_kv, rep, -1).sum(3)
-    out.update({f"grad/pre/{n}": g for n, g in g_pre.items()})
-    out.update({f"grad/post/{n}": g for n, g in g_post.items()})
-    return out, tol.score_scale(A, mask)
+def make_problem(seed, **kwargs):
+    """A problem of ``kernel_cases`` with dScores by default (the core returns scores)."""
+    return kernel_cases.make_problem(seed, **{"scores_grad": True, **kwargs})
 
 
 def torch_inputs(p, dtype):
@@ -146,25 +94,10 @@ def run(fn, p, dtype, kwargs):
     return {n: x.detach().to(torch.float64).numpy() for n, x in res.items()}
 
 
-def assert_close(got, expected, dtype, sigma, what):
-    assert set(got) == set(expected), (what, sorted(got), sorted(expected))
-    tolerances = tol.case_tolerances(expected, sorted(expected), dtype, sigma)
-    for name in sorted(expected):
-        t = tolerances[name]
-        g, e = got[name], expected[name]
-        assert g.shape == e.shape, (what, name, g.shape, e.shape)
-        assert np.all(np.isfinite(g)), (what, name)
-        err = np.abs(g - e) - (t["atol"] + t["rtol"] * np.abs(e))
-        assert np.all(err <= 0), (f"{what} {name}: max |err| {np.abs(g - e).max():.3g} "
-                                  f"exceeds tolerance {t} by {err.max():.3g}")
-
-
 def check(p, dtype="float32", *, mask=None, causal=False, sliding_window=None, query_offset=0,
           block_q=4, against_reference=True):
-    B, T, S = p["q"].shape[0], p["q"].shape[1], p["k"].shape[1]
-    full = ref.make_mask(B, T, S, attention_mask=None if mask is None else np.broadcast_to(
-        mask, (B, T, S)), use_causal_mask=causal, sliding_window=sliding_window,
-        query_offset=query_offset)
+    full = kernel_cases.full_mask(p, mask=mask, causal=causal, sliding_window=sliding_window,
+                                  query_offset=query_offset)
     expected, sigma = spec_result(p, full)
     kwargs = dict(causal=causal, sliding_window=sliding_window, query_offset=query_offset,
                   mask=None if mask is None else torch.tensor(mask))
@@ -202,16 +135,16 @@ def test_compiled_kernel_sizes(N, G, R, S):
 
 
 def test_compiled_kernel_builds_where_a_compiler_exists(monkeypatch):
-    if not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
+    if not any(shutil.which(c) for c in ("cc", "gcc", "clang")):  # what build_library looks for
         pytest.skip("no C compiler on this machine")
-    monkeypatch.setenv("DCMHA_TORCH_KERNEL", "1")
+    monkeypatch.setenv("DCMHA_CPU_KERNEL", "1")
     cpu_kernel._reset()
     assert cpu_kernel.load() is not None, cpu_kernel.unavailable_reason()
     assert cpu_kernel.unavailable_reason() is None
-    monkeypatch.setenv("DCMHA_TORCH_KERNEL", "0")
+    monkeypatch.setenv("DCMHA_CPU_KERNEL", "0")
     cpu_kernel._reset()
     assert cpu_kernel.load() is None
-    assert cpu_kernel.unavailable_reason() == "disabled by DCMHA_TORCH_KERNEL"
+    assert cpu_kernel.unavailable_reason() == "disabled by DCMHA_CPU_KERNEL"
 
 
 def test_plain_attention_and_identity_compose():

@@ -17,72 +17,20 @@ os.environ["TRITON_INTERPRET"] = "1"   # before Triton is imported: CPU tensors,
 torch = pytest.importorskip("torch", reason="the Triton backend needs PyTorch")
 pytest.importorskip("triton", reason="the Triton backend needs Triton")
 
-import math  # noqa: E402
+import functools  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+import kernel_cases  # noqa: E402
 from dcmha.backends import triton as tb  # noqa: E402
-from dcmha.spec import reference as ref  # noqa: E402
-from dcmha.spec import reference_grad as ref_grad  # noqa: E402
-from dcmha.spec import tolerance as tol  # noqa: E402
-
-TERMS = ("qw1", "qw2", "kw1", "kw2", "qdd", "kdd", "static")
+from kernel_cases import TERMS, assert_close, spec_result  # noqa: E402
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BLOCKS = dict(block_q=8, block_k=8)   # T = 11, S = 9: two partial-tile blocks each way
 
 
-def make_problem(seed, *, B=1, T=11, S=9, N=4, N_kv=4, d=8, d_v=8, G=1, R=2, pre=TERMS,
-                 post=TERMS, dtype="float32"):
-    """Random q, k, v, stage dicts and dO as float32 NumPy arrays representable in dtype."""
-    rng = np.random.default_rng(seed)
-    M = N // G
-
-    def arr(*shape, scale=1.0):
-        return tol.round_to_dtype(rng.normal(0.0, scale, size=shape), dtype)
-
-    shapes = dict(qw1=(B, T, G, R, M), qw2=(B, T, G, R, M), kw1=(B, S, G, R, M),
-                  kw2=(B, S, G, R, M), qdd=(B, T, G, M), kdd=(B, S, G, M), static=(G, M, M))
-
-    def stage(names):
-        if names is None:
-            return None
-        return {n: arr(*shapes[n], scale=0.5) for n in names}
-
-    return dict(q=arr(B, T, N, d), k=arr(B, S, N_kv, d), v=arr(B, S, N_kv, d_v), G=G,
-                pre=stage(pre), post=stage(post), do=arr(B, T, N, d_v))
-
-
-def spec_result(p, mask):
-    """Forward and gradients of the kernel's function by the NumPy spec (float64).
-
-    mask: (B, T, S) bool, the full mask. Returns ({name: array}, sigma).
-    """
-    f64 = {n: np.asarray(p[n], np.float64) for n in ("q", "k", "v", "do")}
-    pre = {n: np.asarray(x, np.float64) for n, x in (p["pre"] or {}).items()}
-    post = {n: np.asarray(x, np.float64) for n, x in (p["post"] or {}).items()}
-    q, k, v, do = f64["q"], f64["k"], f64["v"], f64["do"]
-    G, rep, scale = p["G"], q.shape[2] // k.shape[2], 1.0 / math.sqrt(q.shape[3])
-    kh, vh = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
-    scores = np.einsum("btnh,bsnh->bnts", q, kh) * scale
-    A = ref.compose(scores, G, **pre) if p["pre"] is not None else scores
-    P = ref.masked_softmax(A, mask)
-    P2 = ref.compose(P, G, **post) if p["post"] is not None else P
-    P3 = np.where(mask[:, None], P2, 0.0)
-    out = {"output": np.einsum("bnts,bsnh->btnh", P3, vh), "attention_scores": P3}
-    dP2 = np.where(mask[:, None], np.einsum("btnh,bsnh->bnts", do, vh), 0.0)
-    dP, g_post = (ref_grad.compose_backward(P, dP2, G, **post) if p["post"] is not None
-                  else (dP2, {}))
-    dA = ref_grad.masked_softmax_backward(P, dP, mask)
-    da, g_pre = (ref_grad.compose_backward(scores, dA, G, **pre) if p["pre"] is not None
-                 else (dA, {}))
-    B, S, N_kv = k.shape[:3]
-    out["grad/q"] = np.einsum("bnts,bsnh->btnh", da, kh) * scale
-    out["grad/k"] = (np.einsum("bnts,btnh->bsnh", da, q) * scale).reshape(
-        B, S, N_kv, rep, -1).sum(3)
-    out["grad/v"] = np.einsum("bnts,btnh->bsnh", P3, do).reshape(B, S, N_kv, rep, -1).sum(3)
-    out.update({f"grad/pre/{n}": g for n, g in g_pre.items()})
-    out.update({f"grad/post/{n}": g for n, g in g_post.items()})
-    return out, tol.score_scale(A, mask)
+#: The Triton tests' default problem: T = 11, S = 9 (two partial-tile blocks each way).
+make_problem = functools.partial(kernel_cases.make_problem, B=1, T=11, S=9, N=4, N_kv=4, d=8,
+                                 d_v=8, G=1, R=2)
 
 
 def torch_inputs(p, dtype):
@@ -116,24 +64,10 @@ def run(fn, p, dtype, kwargs):
     return {n: x.detach().to(torch.float64).numpy() for n, x in res.items()}
 
 
-def assert_close(got, expected, dtype, sigma, what):
-    assert set(got) == set(expected), (what, sorted(got), sorted(expected))
-    tolerances = tol.case_tolerances(expected, sorted(expected), dtype, sigma)
-    for name in sorted(expected):
-        t = tolerances[name]
-        g, e = got[name], expected[name]
-        assert g.shape == e.shape, (what, name, g.shape, e.shape)
-        assert np.all(np.isfinite(g)), (what, name)
-        err = np.abs(g - e) - (t["atol"] + t["rtol"] * np.abs(e))
-        assert np.all(err <= 0), (f"{what} {name}: max |err| {np.abs(g - e).max():.3g} "
-                                  f"exceeds tolerance {t} by {err.max():.3g}")
-
-
 def check(p, dtype="float32", *, mask=None, causal=False, sliding_window=None, query_offset=0,
           blocks=BLOCKS, against_torch=True):
-    B, T, S = p["q"].shape[0], p["q"].shape[1], p["k"].shape[1]
-    full = ref.make_mask(B, T, S, attention_mask=mask, use_causal_mask=causal,
-                         sliding_window=sliding_window, query_offset=query_offset)
+    full = kernel_cases.full_mask(p, mask=mask, causal=causal, sliding_window=sliding_window,
+                                  query_offset=query_offset)
     expected, sigma = spec_result(p, full)
     kwargs = dict(causal=causal, sliding_window=sliding_window, query_offset=query_offset,
                   mask=None if mask is None else torch.tensor(mask))

@@ -44,7 +44,9 @@ def steps() -> list:
                         "tests/test_validation*.py", "tests/test_numerics*.py",
                         "tests/test_fuzz*.py", "tests/test_determinism*.py",
                         "tests/test_distribution*.py", "tests/test_dispatch*.py")
-    backend_tests = {"torch": _glob("tests/test_torch_native*.py")}
+    backend_tests = {"torch": _glob("tests/test_torch_native*.py"),
+                     "jax": _glob("tests/test_cpu_paths*.py"),
+                     "tensorflow": _glob("tests/test_cpu_paths*.py")}
     for b in KERAS_BACKENDS:
         out.append((f"keras-{b}", {"KERAS_BACKEND": b}, keras_tests + backend_tests.get(b, [])))
     triton_env = {"KERAS_BACKEND": "torch", "TRITON_INTERPRET": "1"}

@@ -39,7 +39,7 @@ backward) run as one compiled C pass over the block instead
 T=1024, N=8, causal, the composes then cost 8 instead of 17 ms of the forward
 and 42 instead of 85 ms of forward + backward
 (``benchmarks/torch_compose_kernel.py``). The separate PyTorch ops stay as
-the fallback (no compiler, other devices, ``DCMHA_TORCH_KERNEL=0``).
+the fallback (no compiler, other devices, ``DCMHA_CPU_KERNEL=0``).
 
 Masked entries get -1e30 added before the softmax (only in the key columns a
 block's mask can hide: the diagonal band for causal attention), so their
@@ -68,7 +68,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from . import cpu_kernel
+from .. import cpu_kernel
 from . import is_available  # noqa: F401  (re-exported)
 
 __all__ = ["dcmha_attention", "dcmha_attention_reference", "default_block_q", "is_available"]

@@ -1,29 +1,40 @@
 """A compiled C kernel for the compose of one score block (CPU, float32).
 
-``dcmha_torch`` spends most of a CPU call in the two composes: a handful of
-arithmetic operations per score entry spread over a dozen elementwise passes
-and a batched 8x8 GEMM per query. This module fuses a block's compose, and its
-backward, into one pass over the block: per (batch, query row, group) it
-reads the M heads' rows in chunks of ``CHUNK`` keys, applies every term
-(residual, static and query-side terms as the (N, N) matrix ``wq``; key-side
-rank-R terms; key-side gating) in registers / L1, and writes the result once.
-The backward recomputes the key-side hidden values and accumulates every term
-gradient in the same pass.
+The CPU cores (``torch_native`` and ``jax_cpu``) spend most of a call in the
+two composes: done with framework ops they are a handful of arithmetic
+operations per score entry spread over a dozen elementwise passes (and, for
+the query side, a batched 8x8 GEMM per query). This kernel fuses a block's
+compose, and its backward, into one pass over the block: per (batch, query
+row, group) it loads the M heads' values at 16 keys at a time (one AVX-512
+register each), applies every term (residual, static and query-side terms as
+the per-query M x M matrix ``wq``; key-side rank-R terms; key-side gating) in
+registers, and writes the result once. The backward recomputes the key-side
+hidden values and accumulates every term gradient in the same pass. The
+(M, R) pairs M in 1, 2, 4, 8, 16 and R in 1, 2, 4 are compiled with M and R
+fixed; any other size, and the last ``s % 16`` keys, run generic loops.
 
-The C source below is compiled on first use with the system C compiler
-(``$CC``, else ``cc`` / ``gcc``) into a per-user cache directory
-(``$DCMHA_CACHE_DIR``, else ``$XDG_CACHE_HOME/dcmha``, else ``~/.cache/dcmha``),
-keyed by the source, the flags and the CPU, and loaded with ``ctypes`` (calls
-release the GIL, so the block threads of ``dcmha_torch`` run them in
-parallel). Without a compiler, or with ``DCMHA_TORCH_KERNEL=0``, ``load()``
-returns None and ``dcmha_torch`` keeps its pure PyTorch ops; both give the
-same numbers within float32 rounding (the tests run both).
+The source is compiled on first use (``build_library``) with the system C
+compiler (``$CC``, else ``cc`` / ``gcc`` / ``clang``; ``-O3 -march=native``)
+into a per-user cache directory (``$DCMHA_CACHE_DIR``, else
+``$XDG_CACHE_HOME/dcmha``, else ``~/.cache/dcmha``), keyed by the sources,
+the flags, the compilers and the CPU. Two libraries are built from it:
 
-Array conventions (all float32, last axis contiguous, strides in elements):
-a block is x (B, t, N, s); ``wq`` (B, t, N, N) holds out[n] = sum_m wq[n, m] x[m]
-(block diagonal over the G groups; only the diagonal blocks are read or
-written); kw1 / kw2 (B, G, R, M, s) and kdd (B, G, M, s) are the key-side
-terms of the block's key columns.
+* ``load()``: the kernel alone, called through ``ctypes`` by ``dcmha_torch``
+  (calls release the GIL, so its block threads run them in parallel);
+* ``build_ffi_library(include_dir)``: the kernel with XLA FFI handlers (C++,
+  ``_FFI_SOURCE``), registered by ``jax_cpu`` as ``jax.ffi`` targets.
+
+Without a compiler, or with ``DCMHA_CPU_KERNEL=0``, neither is built and the
+cores fall back (torch: its PyTorch ops; jax: ``implementation="auto"``
+takes the "ops" core). Kernel and fallback agree within float32 rounding
+(the tests run both).
+
+Array conventions (all float32, last axis contiguous, strides in elements,
+passed in ``Args``): a block is x (B, t, N, s) with head n = g * M + m at
+stride ``x_n``; ``wq`` (B, t, [G,] M, M) holds out[n] = sum_m wq[n, m] x[m]
+for group g's block at offset ``wq_g`` (torch: the diagonal blocks of a dense
+(N, N) matrix); kw1 / kw2 (B, G, R, M, s) and kdd (B, G, M, s) are the
+key-side terms of the block's key columns.
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ __all__ = ["load", "unavailable_reason", "compose_forward", "compose_backward", 
 #: Keys per chunk of the inner loops (the chunk of M rows stays in L1).
 CHUNK = 64
 
-_SOURCE = r"""
+_HEADER = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,14 +66,17 @@ typedef struct {
     const float *x; int64_t x_b, x_i, x_n;          /* (B, t, N, s) input block */
     float *out; int64_t o_b, o_i, o_n;              /* forward: result; backward: dx */
     const float *g; int64_t g_b, g_i, g_n;          /* backward: dL/d out */
-    const float *wq; int64_t wq_b, wq_i, wq_n, wq_m;
-    float *dwq; int64_t dwq_b, dwq_i, dwq_n, dwq_m;
+    const float *wq; int64_t wq_b, wq_i, wq_g, wq_n, wq_m;    /* (B, t, [G,] M, M) per query */
+    float *dwq; int64_t dwq_b, dwq_i, dwq_g, dwq_n, dwq_m;
     const float *kw1; const float *kw2; int64_t kw_b, kw_g, kw_r, kw_m;
     float *dkw1; float *dkw2; int64_t dkw_b, dkw_g, dkw_r, dkw_m;
     const float *kdd; int64_t kd_b, kd_g, kd_m;
     float *dkdd; int64_t dkd_b, dkd_g, dkd_m;
 } Args;
 
+""".replace("@CHUNK@", str(CHUNK))
+
+_SOURCE = _HEADER + r"""
 /* The key-side terms (and their gradients) of batch b, group gi; NULL where absent. */
 #define KEY_SIDE(b, gi)                                                                  \
     const float *k1 = a->kw1 ? a->kw1 + (b) * a->kw_b + (gi) * a->kw_g : 0;               \
@@ -99,7 +113,7 @@ static int forward_generic(const Args *a, int64_t js) {
         const float *xr = a->x + b * a->x_b + i * a->x_i + gi * M * a->x_n;
         float *orow = a->out + b * a->o_b + i * a->o_i + gi * M * a->o_n;
         const float *wq = a->wq ? a->wq + b * a->wq_b + i * a->wq_i
-                                        + gi * M * (a->wq_n + a->wq_m) : 0;
+                                        + gi * a->wq_g : 0;
         KEY_SIDE(b, gi)
         for (int64_t j0 = js; j0 < s; j0 += CH) {
             const int64_t nj = s - j0 < CH ? s - j0 : CH;
@@ -159,9 +173,9 @@ static int backward_generic(const Args *a, int64_t js) {
                 /* query side: dwq[n, m] += sum_j g[n, j] x[m, j]; dx[m] = sum_n wq[n, m] g[n] */
                 if (a->wq) {
                     const float *wq = a->wq + b * a->wq_b + i * a->wq_i
-                                      + gi * M * (a->wq_n + a->wq_m);
+                                      + gi * a->wq_g;
                     float *dwq = a->dwq + b * a->dwq_b + i * a->dwq_i
-                                 + gi * M * (a->dwq_n + a->dwq_m);
+                                 + gi * a->dwq_g;
                     for (int64_t n = 0; n < M; n++) {
                         const float *gn = gr + n * a->g_n + j0;
                         for (int64_t m = 0; m < M; m++) {
@@ -260,7 +274,7 @@ INLINE void forward_rows(const Args *a, int64_t b, int64_t gi, int64_t jv, const
             const float *xr = a->x + b * a->x_b + i * a->x_i + gi * M * a->x_n;
             float *orow = a->out + b * a->o_b + i * a->o_i + gi * M * a->o_n;
             const float *wq = a->wq ? a->wq + b * a->wq_b + i * a->wq_i
-                                            + gi * M * (a->wq_n + a->wq_m) : 0;
+                                            + gi * a->wq_g : 0;
             for (int64_t j = j0; j < j1; j += VL) {
                 vf X[16], O[16], H[4];
                 _Pragma("GCC unroll 16") for (int m = 0; m < M; m++) X[m] = LD(xr + m * a->x_n + j);
@@ -301,7 +315,7 @@ INLINE void backward_wq_row(const Args *a, int64_t b, int64_t gi, int64_t i, int
     {
         const float *xr = a->x + b * a->x_b + i * a->x_i + gi * M * a->x_n;
         const float *gr = a->g + b * a->g_b + i * a->g_i + gi * M * a->g_n;
-        float *dwq = a->dwq + b * a->dwq_b + i * a->dwq_i + gi * M * (a->dwq_n + a->dwq_m);
+        float *dwq = a->dwq + b * a->dwq_b + i * a->dwq_i + gi * a->dwq_g;
         for (int n0 = 0; n0 < M; n0 += 2) {
             const int two = n0 + 1 < M;
             vf A0[16], A1[16];
@@ -337,7 +351,7 @@ INLINE void backward_rows(const Args *a, int64_t b, int64_t gi, int64_t jv, cons
             const float *gr = a->g + b * a->g_b + i * a->g_i + gi * M * a->g_n;
             float *orow = a->out + b * a->o_b + i * a->o_i + gi * M * a->o_n;
             const float *wq = a->wq ? a->wq + b * a->wq_b + i * a->wq_i
-                                            + gi * M * (a->wq_n + a->wq_m) : 0;
+                                            + gi * a->wq_g : 0;
             for (int64_t j = j0; j < j1; j += VL) {
                 vf X[16], G[16], D[16], H[4], GK[4];
                 _Pragma("GCC unroll 16") for (int m = 0; m < M; m++) {
@@ -414,7 +428,7 @@ INLINE void backward_rows(const Args *a, int64_t b, int64_t gi, int64_t jv, cons
 #define BWD(MM, RR) backward_rows(a, b, gi, jv, MM, RR)
 ENTRY(dcmha_compose_forward, FWD, forward_generic)
 ENTRY(dcmha_compose_backward, BWD, backward_generic)
-""".replace("@CHUNK@", str(CHUNK))
+"""
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c11", "-shared", "-fPIC"]
 
@@ -423,9 +437,10 @@ _FIELDS = (
     + [("x", ctypes.c_void_p)] + [(n, ctypes.c_int64) for n in ("x_b", "x_i", "x_n")]
     + [("out", ctypes.c_void_p)] + [(n, ctypes.c_int64) for n in ("o_b", "o_i", "o_n")]
     + [("g", ctypes.c_void_p)] + [(n, ctypes.c_int64) for n in ("g_b", "g_i", "g_n")]
-    + [("wq", ctypes.c_void_p)] + [(n, ctypes.c_int64) for n in ("wq_b", "wq_i", "wq_n", "wq_m")]
+    + [("wq", ctypes.c_void_p)]
+    + [(n, ctypes.c_int64) for n in ("wq_b", "wq_i", "wq_g", "wq_n", "wq_m")]
     + [("dwq", ctypes.c_void_p)]
-    + [(n, ctypes.c_int64) for n in ("dwq_b", "dwq_i", "dwq_n", "dwq_m")]
+    + [(n, ctypes.c_int64) for n in ("dwq_b", "dwq_i", "dwq_g", "dwq_n", "dwq_m")]
     + [("kw1", ctypes.c_void_p), ("kw2", ctypes.c_void_p)]
     + [(n, ctypes.c_int64) for n in ("kw_b", "kw_g", "kw_r", "kw_m")]
     + [("dkw1", ctypes.c_void_p), ("dkw2", ctypes.c_void_p)]
@@ -453,8 +468,8 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
-def _compiler():
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+def _compiler(env, names):
+    for name in (os.environ.get(env),) + names:
         if name and shutil.which(name):
             return shutil.which(name)
     return None
@@ -468,16 +483,33 @@ def _cache_dir() -> str:
     return d
 
 
-def _build():
-    if os.environ.get("DCMHA_TORCH_KERNEL", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None, "disabled by DCMHA_TORCH_KERNEL"
+def disabled() -> bool:
+    """Whether ``DCMHA_CPU_KERNEL`` (0 / false / no / off) switches the compiled kernels off."""
+    return os.environ.get("DCMHA_CPU_KERNEL", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def build_library(tag, steps, key_parts=(), load=True):
+    """Compile (cached) and load a shared library; (ctypes.CDLL, None) or (None, reason).
+
+    steps: [(compiler, flags, source text, suffix[, flags after the source])] run in
+    order in a scratch directory; ``{obj}`` in a step's flags names the previous
+    step's output, and the last step's output is the library. The cache key covers
+    every source, flag and compiler, ``key_parts`` and the CPU (``-march=native``).
+    With ``load=False`` the library's path is returned instead of a CDLL (for loaders
+    such as ``tf.load_op_library`` that must be the first to open it).
+    """
+    if disabled():
+        return None, "disabled by DCMHA_CPU_KERNEL"
     if sys.platform == "win32":
-        return None, "the C kernel is built on POSIX systems only"
-    cc = _compiler()
-    if cc is None:
-        return None, "no C compiler found ($CC, cc, gcc, clang)"
-    key = hashlib.sha256("\0".join([_SOURCE, " ".join(_FLAGS), cc, _cpu_signature()]).encode())
-    name = f"dcmha_compose_{key.hexdigest()[:16]}.so"
+        return None, "the C kernels are built on POSIX systems only"
+    for compiler, *_ in steps:
+        if compiler is None:
+            return None, "no C / C++ compiler found ($CC / $CXX, cc, gcc, clang, c++, g++)"
+    parts = [_cpu_signature(), *key_parts]
+    for compiler, flags, text, *rest in steps:
+        parts += [compiler, " ".join(flags), text, " ".join(rest[1] if len(rest) > 1 else ())]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    name = f"dcmha_{tag}_{key}.so"
     last_error = None
     for directory in (_cache_dir(), None):
         try:
@@ -486,29 +518,36 @@ def _build():
             path = os.path.join(directory, name)
             if not os.path.exists(path):
                 os.makedirs(directory, exist_ok=True)
-                fd, tmp_so = tempfile.mkstemp(suffix=".so", dir=directory)
-                os.close(fd)
-                src = tmp_so[:-3] + ".c"
-                try:
-                    with open(src, "w") as f:
-                        f.write(_SOURCE)
-                    res = subprocess.run([cc, *_FLAGS, src, "-o", tmp_so], capture_output=True,
-                                         text=True, timeout=120)
-                    if res.returncode != 0:
-                        return None, f"compiling the C kernel failed: {res.stderr.strip()[:500]}"
-                    os.replace(tmp_so, path)      # atomic: concurrent builders agree
-                finally:
-                    for p in (src, tmp_so):
-                        if os.path.exists(p):
-                            os.remove(p)
-            lib = ctypes.CDLL(path)
-            for fn in (lib.dcmha_compose_forward, lib.dcmha_compose_backward):
-                fn.argtypes = [ctypes.POINTER(_Args)]
-                fn.restype = ctypes.c_int
-            return lib, None
+                with tempfile.TemporaryDirectory(dir=directory) as scratch:
+                    prev = None
+                    for i, (compiler, flags, text, suffix, *after) in enumerate(steps):
+                        src = os.path.join(scratch, f"step{i}{suffix}")
+                        out = os.path.join(scratch, f"step{i}.out")
+                        with open(src, "w") as f:
+                            f.write(text)
+                        cmd = [compiler, *[fl.replace("{obj}", prev or "") for fl in flags],
+                               src, *(after[0] if after else ()), "-o", out]
+                        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                        if res.returncode != 0:
+                            errors = [ln for ln in res.stderr.splitlines() if "error" in ln]
+                            detail = "\n".join(errors[:5]) or res.stderr.strip()[-800:]
+                            return None, f"compiling the {tag} kernel failed: {detail}"
+                        prev = out
+                    os.replace(prev, path)        # atomic: concurrent builders agree
+            return (ctypes.CDLL(path) if load else path), None
         except (OSError, subprocess.SubprocessError) as e:
             last_error = e
-    return None, f"building the C kernel failed: {last_error}"
+    return None, f"building the {tag} kernel failed: {last_error}"
+
+
+def _build():
+    cc = _compiler("CC", ("cc", "gcc", "clang"))
+    lib, reason = build_library("compose", [(cc, _FLAGS, _SOURCE, ".c")])
+    if lib is not None:
+        for fn in (lib.dcmha_compose_forward, lib.dcmha_compose_backward):
+            fn.argtypes = [ctypes.POINTER(_Args)]
+            fn.restype = ctypes.c_int
+    return lib, reason
 
 
 def load():
@@ -531,6 +570,238 @@ def _reset():
         _STATE.clear()
 
 
+#: C++ declarations shared by the framework wrappers: the kernel's entry points and
+#: ``dcmha_fill``, which sets ``Args`` for contiguous arrays: x, out, g (B, G, M, t, s);
+#: wq, dwq (B, t, G, M, M) ([n, m]: out[n] = sum_m wq[n, m] x[m]); kw1, kw2 and their
+#: gradients (B, G, R, M, s); kdd, dkdd (B, G, M, s). ``flags`` says which terms are present
+#: (1: wq, 2: kw1 / kw2, 4: kdd); absent ones are passed as 1-element dummies.
+_CXX_COMMON = "extern \"C\" {\n" + _HEADER + r"""
+int dcmha_compose_forward(const Args *a);
+int dcmha_compose_backward(const Args *a);
+}
+#include <cstring>
+
+static void dcmha_fill(Args &a, const int64_t *d, int64_t R, const float *x, const float *wq,
+                       const float *kw1, const float *kw2, const float *kdd, int64_t flags) {
+    std::memset(&a, 0, sizeof a);
+    a.B = d[0]; a.G = d[1]; a.M = d[2]; a.t = d[3]; a.s = d[4];     /* x: (B, G, M, t, s) */
+    const int64_t ts = a.t * a.s, M = a.M;
+    a.x = x; a.x_b = a.G * M * ts; a.x_i = a.s; a.x_n = ts;
+    a.o_b = a.x_b; a.o_i = a.x_i; a.o_n = a.x_n;
+    a.g_b = a.x_b; a.g_i = a.x_i; a.g_n = a.x_n;
+    if (flags & 1) {
+        a.wq = wq;
+        a.wq_b = a.t * a.G * M * M; a.wq_i = a.G * M * M; a.wq_g = M * M; a.wq_n = M; a.wq_m = 1;
+        a.dwq_b = a.wq_b; a.dwq_i = a.wq_i; a.dwq_g = a.wq_g; a.dwq_n = M; a.dwq_m = 1;
+    }
+    a.R = (flags & 2) ? R : 1;
+    if (flags & 2) {
+        a.kw1 = kw1; a.kw2 = kw2;
+        a.kw_m = a.s; a.kw_r = M * a.s; a.kw_g = a.R * M * a.s; a.kw_b = a.G * a.kw_g;
+        a.dkw_b = a.kw_b; a.dkw_g = a.kw_g; a.dkw_r = a.kw_r; a.dkw_m = a.kw_m;
+    }
+    if (flags & 4) {
+        a.kdd = kdd;
+        a.kd_m = a.s; a.kd_g = M * a.s; a.kd_b = a.G * a.kd_g;
+        a.dkd_b = a.kd_b; a.dkd_g = a.kd_g; a.dkd_m = a.kd_m;
+    }
+}
+
+/* Gradient buffers: zeroed (the kernel accumulates), then attached where present. */
+static void dcmha_grads(Args &a, float *dwq, size_t n_dwq, float *dkw1, float *dkw2,
+                        size_t n_dkw, float *dkdd, size_t n_dkdd, int64_t flags) {
+    std::memset(dwq, 0, n_dwq * sizeof(float));
+    std::memset(dkw1, 0, n_dkw * sizeof(float));
+    std::memset(dkw2, 0, n_dkw * sizeof(float));
+    std::memset(dkdd, 0, n_dkdd * sizeof(float));
+    if (flags & 1) a.dwq = dwq;
+    if (flags & 2) { a.dkw1 = dkw1; a.dkw2 = dkw2; }
+    if (flags & 4) a.dkdd = dkdd;
+}
+"""
+
+#: XLA FFI handlers around the kernel, for ``jax.ffi`` on CPU (C++, compiled with
+#: jaxlib's FFI headers).
+_FFI_SOURCE = _CXX_COMMON + r"""
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using F32 = ffi::Buffer<ffi::F32>;
+using Out = ffi::ResultBuffer<ffi::F32>;
+
+static ffi::Error Forward(F32 x, F32 wq, F32 kw1, F32 kw2, F32 kdd, Out out, int64_t flags) {
+    Args a;
+    const int64_t R = kw1.dimensions().size() == 5 ? kw1.dimensions()[2] : 1;
+    dcmha_fill(a, x.dimensions().begin(), R, x.typed_data(), wq.typed_data(),
+               kw1.typed_data(), kw2.typed_data(), kdd.typed_data(), flags);
+    a.out = out->typed_data();
+    if (dcmha_compose_forward(&a)) return ffi::Error::Internal("dcmha compose: out of memory");
+    return ffi::Error::Success();
+}
+
+static ffi::Error Backward(F32 x, F32 g, F32 wq, F32 kw1, F32 kw2, F32 kdd, Out dx, Out dwq,
+                           Out dkw1, Out dkw2, Out dkdd, int64_t flags) {
+    Args a;
+    const int64_t R = kw1.dimensions().size() == 5 ? kw1.dimensions()[2] : 1;
+    dcmha_fill(a, x.dimensions().begin(), R, x.typed_data(), wq.typed_data(),
+               kw1.typed_data(), kw2.typed_data(), kdd.typed_data(), flags);
+    a.g = g.typed_data();
+    a.out = dx->typed_data();
+    dcmha_grads(a, dwq->typed_data(), dwq->element_count(), dkw1->typed_data(),
+                dkw2->typed_data(), dkw1->element_count(), dkdd->typed_data(),
+                dkdd->element_count(), flags);
+    if (dcmha_compose_backward(&a)) return ffi::Error::Internal("dcmha compose: out of memory");
+    return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DcmhaComposeForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("flags"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DcmhaComposeBackward, Backward,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Arg<F32>()
+                                  .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("flags"));
+"""
+
+#: TensorFlow CPU ops around the kernel (``tf.load_op_library``): DcmhaComposeForward(x, wq,
+#: kw1, kw2, kdd; flags) -> out and DcmhaComposeBackward(x, g, wq, kw1, kw2, kdd; flags) ->
+#: (dx, dwq, dkw1, dkw2, dkdd), the same arrays as the FFI handlers.
+_TF_SOURCE = _CXX_COMMON + r"""
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+using namespace tensorflow;
+
+static absl::Status same_shapes(shape_inference::InferenceContext *c, int first_input) {
+    for (int i = 0; i < c->num_outputs(); i++) c->set_output(i, c->input(first_input + i));
+    return absl::OkStatus();
+}
+
+REGISTER_OP("DcmhaComposeForward")
+    .Input("x: float").Input("wq: float").Input("kw1: float").Input("kw2: float")
+    .Input("kdd: float").Output("out: float").Attr("flags: int")
+    .SetShapeFn([](shape_inference::InferenceContext *c) { return same_shapes(c, 0); });
+
+REGISTER_OP("DcmhaComposeBackward")
+    .Input("x: float").Input("g: float").Input("wq: float").Input("kw1: float")
+    .Input("kw2: float").Input("kdd: float")
+    .Output("dx: float").Output("dwq: float").Output("dkw1: float").Output("dkw2: float")
+    .Output("dkdd: float").Attr("flags: int")
+    .SetShapeFn([](shape_inference::InferenceContext *c) {
+        c->set_output(0, c->input(0));
+        for (int i = 1; i < 5; i++) c->set_output(i, c->input(i + 1));
+        return absl::OkStatus();
+    });
+
+static void check_x(OpKernelContext *c, const Tensor &x) {
+    OP_REQUIRES(c, x.dims() == 5,
+                errors::InvalidArgument("dcmha compose: x must be (B, G, M, t, s), got rank ",
+                                        x.dims()));
+}
+
+static void fill_from(Args &a, const Tensor &x, const Tensor &wq, const Tensor &kw1,
+                      const Tensor &kw2, const Tensor &kdd, int64_t flags) {
+    int64_t d[5];
+    for (int i = 0; i < 5; i++) d[i] = x.dim_size(i);
+    const int64_t R = kw1.dims() == 5 ? kw1.dim_size(2) : 1;
+    dcmha_fill(a, d, R, x.flat<float>().data(), wq.flat<float>().data(),
+               kw1.flat<float>().data(), kw2.flat<float>().data(), kdd.flat<float>().data(),
+               flags);
+}
+
+class DcmhaComposeForwardOp : public OpKernel {
+  public:
+    explicit DcmhaComposeForwardOp(OpKernelConstruction *c) : OpKernel(c) {
+        OP_REQUIRES_OK(c, c->GetAttr("flags", &flags_));
+    }
+    void Compute(OpKernelContext *c) override {
+        const Tensor &x = c->input(0);
+        check_x(c, x);
+        if (!c->status().ok()) return;
+        Tensor *out = nullptr;
+        OP_REQUIRES_OK(c, c->allocate_output(0, x.shape(), &out));
+        Args a;
+        fill_from(a, x, c->input(1), c->input(2), c->input(3), c->input(4), flags_);
+        a.out = out->flat<float>().data();
+        OP_REQUIRES(c, dcmha_compose_forward(&a) == 0,
+                    errors::ResourceExhausted("dcmha compose: out of memory"));
+    }
+  private:
+    int64_t flags_;
+};
+
+class DcmhaComposeBackwardOp : public OpKernel {
+  public:
+    explicit DcmhaComposeBackwardOp(OpKernelConstruction *c) : OpKernel(c) {
+        OP_REQUIRES_OK(c, c->GetAttr("flags", &flags_));
+    }
+    void Compute(OpKernelContext *c) override {
+        const Tensor &x = c->input(0);
+        check_x(c, x);
+        if (!c->status().ok()) return;
+        Tensor *outs[5];
+        for (int i = 0; i < 5; i++)
+            OP_REQUIRES_OK(c, c->allocate_output(i, c->input(i == 0 ? 0 : i + 1).shape(),
+                                                 &outs[i]));
+        Args a;
+        fill_from(a, x, c->input(2), c->input(3), c->input(4), c->input(5), flags_);
+        a.g = c->input(1).flat<float>().data();
+        a.out = outs[0]->flat<float>().data();
+        dcmha_grads(a, outs[1]->flat<float>().data(), outs[1]->NumElements(),
+                    outs[2]->flat<float>().data(), outs[3]->flat<float>().data(),
+                    outs[2]->NumElements(), outs[4]->flat<float>().data(),
+                    outs[4]->NumElements(), flags_);
+        OP_REQUIRES(c, dcmha_compose_backward(&a) == 0,
+                    errors::ResourceExhausted("dcmha compose: out of memory"));
+    }
+  private:
+    int64_t flags_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("DcmhaComposeForward").Device(DEVICE_CPU), DcmhaComposeForwardOp);
+REGISTER_KERNEL_BUILDER(Name("DcmhaComposeBackward").Device(DEVICE_CPU), DcmhaComposeBackwardOp);
+"""
+
+
+def _kernel_object_step():
+    """The build step compiling the C kernel to an object file (for the C++ wrappers)."""
+    cc = _compiler("CC", ("cc", "gcc", "clang"))
+    return (cc, [f for f in _FLAGS if f != "-shared"] + ["-c"], _SOURCE, ".c")
+
+
+def _cxx():
+    return _compiler("CXX", ("c++", "g++", "clang++"))
+
+
+def build_ffi_library(include_dir):
+    """The kernel with its XLA FFI handlers (``DcmhaComposeForward`` / ``Backward``), built
+    against the FFI headers in ``include_dir``; (ctypes.CDLL, None) or (None, reason)."""
+    # "{obj}": the kernel's object file (no recognised suffix: passed to the linker)
+    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", f"-I{include_dir}", "{obj}"]
+    return build_library("compose_xla_ffi", [_kernel_object_step(),
+                                             (_cxx(), flags, _FFI_SOURCE, ".cc")],
+                         key_parts=(include_dir,))
+
+
+def build_tf_library(compile_flags, link_flags):
+    """The kernel as TensorFlow ops (see ``_TF_SOURCE``), built with TensorFlow's
+    ``tf.sysconfig`` flags; (path of the library, None) or (None, reason). The library is
+    not opened here: ``tf.load_op_library`` must be the first to load it."""
+    # -w: TensorFlow's headers warn about their own deprecations by the hundred
+    flags = ["-O2", "-w", "-std=c++17", "-shared", "-fPIC", *compile_flags, "{obj}"]
+    return build_library("compose_tf", [_kernel_object_step(),
+                                        (_cxx(), flags, _TF_SOURCE, ".cc", tuple(link_flags))],
+                         load=False)
+
+
 def _view(args, prefix, x, names):
     """Set ``prefix`` (pointer) and the strides ``names`` from tensor x (None: NULL)."""
     if x is None:
@@ -548,6 +819,8 @@ def _args(x5, out5, st, G, M, R, s):
     _view(a, "x", x5, ("x_b", "x_i", "x_n"))
     _view(a, "out", out5, ("o_b", "o_i", "o_n"))
     _view(a, "wq", wq, ("wq_b", "wq_i", "wq_n", "wq_m"))
+    if wq is not None:                      # block diagonal: group g's block at (gM, gM)
+        a.wq_g = M * (a.wq_n + a.wq_m)
     _view(a, "kw1", kw1, ("kw_b", "kw_g", "kw_r", "kw_m"))
     a.kw2 = None if kw2 is None else kw2.data_ptr()
     _view(a, "kdd", kdd, ("kd_b", "kd_g", "kd_m"))
@@ -580,6 +853,8 @@ def compose_backward(lib, x, g, dx, st, dst, G, R):
     _view(a, "g", g, ("g_b", "g_i", "g_n"))
     d_wq, d_kw1, d_kw2, d_kdd = dst
     _view(a, "dwq", d_wq, ("dwq_b", "dwq_i", "dwq_n", "dwq_m"))
+    if d_wq is not None:
+        a.dwq_g = (N // G) * (a.dwq_n + a.dwq_m)
     _view(a, "dkw1", d_kw1, ("dkw_b", "dkw_g", "dkw_r", "dkw_m"))
     a.dkw2 = None if d_kw2 is None else d_kw2.data_ptr()
     _view(a, "dkdd", d_kdd, ("dkd_b", "dkd_g", "dkd_m"))

@@ -1,0 +1,355 @@
+"""The blocked attention core shared by the compiled-kernel CPU paths (jax_cpu, tf_cpu).
+
+``attention`` computes, per batch b and composition group g (``spec/SPEC.md``
+sections 6-7),
+
+    a  = q k^T * scale                          (M, T, S) for the M heads of g
+    A  = Compose(a; pre)                        pre-composition, before masking
+    P  = masked_softmax(A)                      float32; fully masked row -> 0
+    P' = mask * Compose(P; post)                post-composition, masked -> exactly 0
+    o  = P' v
+
+in ``keras.ops`` over blocks of ``block_q`` queries, each against the keys a
+causal mask or sliding window leaves visible to it, in the head-major layout
+(B, G, M, t, s) that the score matmul writes (no transposes of the score
+blocks). The two composes of a block are one call each of a framework
+primitive ``compose(x, wq, kw1, kw2, kdd, flags)`` that runs the C kernel of
+``dcmha.backends.cpu_kernel`` and carries its own gradient (a
+``jax.custom_vjp`` over ``jax.ffi``; a TensorFlow op with a registered
+gradient); the rest (matmuls, mask, softmax) is the framework's, differentiated
+by it. Framework ops alone read and write a score block several times per
+compose term (and the "ops" core transposes it for its key-side matmul); the
+kernel reads it once.
+
+Masked entries get -1e30 before the softmax, so their probabilities are
+exactly 0, and so are their post-composed values (compose mixes heads at a
+fixed (t, s)); rows without a visible key are zeroed on the output.
+Everything is float32.
+
+``reference`` is the same function without blocks or the kernel
+(materialising (B, N, T, S)), by the spec's formulas in ``keras.ops``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Callable, Mapping, Optional
+
+from keras import ops
+
+from . import cpu_kernel
+
+__all__ = ["KernelPath", "attention", "reference", "stage_arrays", "flags_of"]
+
+_NEG = -1.0e30
+
+
+class KernelPath:
+    """The compiled kernel of one framework path, built on first use.
+
+    ``build()`` returns (handle, None) or (None, reason); ``compose(handle)`` returns the
+    framework's compose primitive ``compose(x, wq, kw1, kw2, kdd, flags)``.
+    ``DCMHA_CPU_KERNEL=0`` makes the path unavailable (checked on every call).
+    """
+
+    def __init__(self, build: Callable, compose: Callable):
+        self._build, self._make_compose = build, compose
+        self._lock = threading.Lock()
+        self._state: dict = {}
+
+    def load(self) -> bool:
+        """Build (or load from the cache) the kernel; False if unavailable."""
+        if cpu_kernel.disabled():
+            return False
+        with self._lock:
+            if "handle" not in self._state:
+                self._state["handle"], self._state["reason"] = self._build()
+            return self._state["handle"] is not None
+
+    def unavailable_reason(self) -> Optional[str]:
+        """Why ``load()`` is False (None when the kernel is ready)."""
+        if cpu_kernel.disabled():
+            return "disabled by DCMHA_CPU_KERNEL"
+        self.load()
+        return self._state["reason"]
+
+    def attention(self, q, k, v, **kwargs):
+        """``attention(q, k, v, **kwargs)`` with this kernel's compose; differentiable.
+
+        q: (B, T, N, d), k: (B, S, N_kv, d), v: (B, S, N_kv, d_v); keyword arguments
+        (num_groups, pre, post, mask, causal, sliding_window, scale, query_offset,
+        block_q) and the result (o (B, T, N, d_v) float32) as ``attention``. Raises
+        RuntimeError when the kernel is unavailable.
+        """
+        if not self.load():
+            raise RuntimeError(f"the dcmha CPU kernel is unavailable: "
+                               f"{self.unavailable_reason()}")
+        return attention(q, k, v, compose=self._make_compose(self._state["handle"]), **kwargs)
+
+
+def stage_arrays(terms: Optional[Mapping], B, T, G, M):
+    """A stage's kernel arrays (wq, kw1, kw2, kdd), None where absent, or None (no stage).
+
+    wq (B, T, G, M, M) folds the residual, static and query-side terms (out[n] =
+    sum_m wq[n, m] x[m], as ``dcmha.ops.compose_matrices``); kw1, kw2 (B, G, R, M, S)
+    and kdd (B, G, M, S) are the key-side terms with the key axis last.
+    """
+    if not terms:
+        return None
+    f = {n: ops.cast(v, "float32") for n, v in terms.items() if v is not None}
+    wq = None
+    if any(n in f for n in ("static", "qw1", "qdd")):
+        eye = ops.eye(M, dtype="float32")
+        wq = ops.broadcast_to(eye, (B, T, G, M, M))                  # the residual
+        if "static" in f:
+            wq = wq + ops.swapaxes(f["static"], -1, -2)
+        if "qw1" in f:
+            wq = wq + ops.einsum("btgrm,btgrn->btgnm", f["qw1"], f["qw2"])
+        if "qdd" in f:
+            wq = wq + f["qdd"][..., :, None] * eye
+    kw1 = kw2 = kdd = None
+    if "kw1" in f:
+        kw1 = ops.transpose(f["kw1"], (0, 2, 3, 4, 1))
+        kw2 = ops.transpose(f["kw2"], (0, 2, 3, 4, 1))
+    if "kdd" in f:
+        kdd = ops.transpose(f["kdd"], (0, 2, 3, 1))
+    return wq, kw1, kw2, kdd
+
+
+def _split(x, bounds, axis):
+    """Pieces of x along ``axis`` at ``bounds`` [(start, stop), ...] (one op)."""
+    if len(bounds) == 1:
+        return [x]
+    return ops.split(x, [b[0] for b in bounds[1:]], axis=axis)
+
+
+def _join(parts, axis):
+    return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=axis)
+
+
+def flags_of(stage):
+    """The kernel's ``flags`` for a stage: 1 wq, 2 kw1 / kw2, 4 kdd."""
+    wq, kw1, _, kdd = stage
+    return (1 if wq is not None else 0) | (2 if kw1 is not None else 0) | (
+        4 if kdd is not None else 0)
+
+
+def _split_stage(stage, q_bounds, k_bounds):
+    """A stage's arrays as per-block pieces: wq by query block, the key-side terms by key
+    block (split once: the gradient of a split is one concatenation, where slicing each
+    block out of the full arrays would make autodiff build a full-size gradient per block)."""
+    if stage is None:
+        return None
+    wq, kw1, kw2, kdd = stage
+    return (None if wq is None else _split(wq, q_bounds, 1),
+            *(None if a is None else _split(a, k_bounds, a.ndim - 1) for a in (kw1, kw2, kdd)))
+
+
+def _compose_block(compose, x, parts, flags, i, j0, j1):
+    """Compose of block x with query block i's wq and key blocks [j0, j1) of the terms."""
+    if parts is None:
+        return x
+    wq, kw1, kw2, kdd = parts
+    dummy = ops.zeros((1,), "float32")
+    keys = lambda a: dummy if a is None else _join(a[j0:j1], a[0].ndim - 1)  # noqa: E731
+    return compose(x, dummy if wq is None else wq[i], keys(kw1), keys(kw2), keys(kdd), flags)
+
+
+def _visible(mask, t0, t1, s0, s1, causal, window, offset):
+    """(B|1, t, s) bool of a block, or None when every entry is visible."""
+    vis = None
+    if causal or window is not None:
+        ti = ops.arange(t0, t1)[:, None] + offset
+        si = ops.arange(s0, s1)[None, :]
+        if causal:
+            vis = si <= ti
+        if window is not None:
+            band = (ti - si < window) if causal else (ops.abs(ti - si) < window)
+            vis = band if vis is None else ops.logical_and(vis, band)
+        vis = vis[None]
+    if mask is not None:
+        m = mask[:, (slice(None) if mask.shape[1] == 1 else slice(t0, t1)),
+                 (slice(None) if mask.shape[2] == 1 else slice(s0, s1))]
+        vis = m if vis is None else ops.logical_and(m, vis)
+    return vis
+
+
+def _heads(q, k, v, scale):
+    """q (B, N, T, d) scaled, k (B, N, d, S), v (B, N, S, d_v), float32 (kv heads repeated)."""
+    rep = q.shape[2] // k.shape[2]
+    f32 = "float32"
+    kh, vh = ops.cast(k, f32), ops.cast(v, f32)
+    if rep > 1:
+        kh, vh = ops.repeat(kh, rep, axis=2), ops.repeat(vh, rep, axis=2)
+    return (ops.transpose(ops.cast(q, f32) * scale, (0, 2, 1, 3)),
+            ops.transpose(kh, (0, 2, 3, 1)), ops.transpose(vh, (0, 2, 1, 3)))
+
+
+def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, causal=False,
+              sliding_window=None, scale=None, query_offset=0, block_q=64):
+    """Blocked DCMHA attention whose composes run ``compose`` (see the module doc).
+
+    Args:
+        q: (B, T, N, d) queries; k: (B, S, N_kv, d) keys, v: (B, S, N_kv, d_v) values
+            (N % N_kv == 0; query head h reads kv head h // (N / N_kv)); static shapes.
+        compose: the framework's kernel primitive.
+        num_groups: G, composition groups (N % G == 0).
+        pre, post: dicts of compose terms in the spec's layout (qw1, qw2 (B, T, G, R, M);
+            kw1, kw2 (B, S, G, R, M); qdd (B, T, G, M); kdd (B, S, G, M); static
+            (G, M, M)), any subset, or None.
+        mask: None or a rank-3 bool broadcasting to (B, T, S) (True = attend).
+        causal, sliding_window, query_offset: as in ``dcmha.ops.dcmha_attention``;
+            query_offset must be a Python int.
+        scale: score scale (default 1 / sqrt(d)).
+        block_q: queries per block.
+
+    Returns:
+        o: (B, T, N, d_v) float32.
+    """
+    from dcmha.ops import _key_range      # the "ops" core's visible-key rule
+
+    B, T, N, d = q.shape
+    S = k.shape[1]
+    G = num_groups
+    M = N // G
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    qh, kh, vh = _heads(q, k, v, scale)
+    d_v = vh.shape[-1]
+    # Blocks of block_q queries against whole blocks of block_q keys.
+    q_bounds = [(t0, min(T, t0 + block_q)) for t0 in range(0, T, block_q)]
+    k_bounds = [(s0, min(S, s0 + block_q)) for s0 in range(0, S, block_q)]
+    q_parts = _split(qh, q_bounds, 2)
+    k_parts, v_parts = _split(kh, k_bounds, 3), _split(vh, k_bounds, 2)
+    stages = []
+    for terms in (pre, post):
+        st = stage_arrays(terms, B, T, G, M)
+        stages.append(None if st is None else (_split_stage(st, q_bounds, k_bounds),
+                                               flags_of(st)))
+    outs = []
+    for i, (t0, t1) in enumerate(q_bounds):
+        s0, s1 = _key_range(t0, t1, S, use_causal_mask=causal, sliding_window=sliding_window,
+                            query_offset=query_offset)
+        if s1 <= s0:
+            outs.append(ops.zeros((B, N, t1 - t0, d_v), "float32"))
+            continue
+        j0, j1 = s0 // block_q, -(-s1 // block_q)
+        s0, s1 = k_bounds[j0][0], k_bounds[j1 - 1][1]
+        t, s = t1 - t0, s1 - s0
+        x = ops.reshape(ops.matmul(q_parts[i], _join(k_parts[j0:j1], 3)), (B, G, M, t, s))
+        if stages[0] is not None:
+            x = _compose_block(compose, x, *stages[0], i, j0, j1)
+        vis = _visible(mask, t0, t1, s0, s1, causal, sliding_window, query_offset)
+        if vis is not None:
+            x = ops.where(vis[:, None, None], x, _NEG)
+        # one visible key: softmax is 1 (a masked one belongs to a fully masked row)
+        p = ops.ones_like(x) if s == 1 else ops.softmax(x, axis=-1)
+        if stages[1] is not None:
+            p = _compose_block(compose, p, *stages[1], i, j0, j1)
+        o = ops.matmul(ops.reshape(p, (B, N, t, s)), _join(v_parts[j0:j1], 2))
+        if vis is not None:                      # rows without a visible key -> 0
+            o = o * ops.cast(ops.any(vis, axis=-1), "float32")[:, None, :, None]
+        outs.append(o)
+    o = _join(outs, 2)
+    return ops.transpose(o, (0, 2, 1, 3))
+
+
+def _compose_reference(a, G, terms):
+    """Compose of a (B, N, T, S) by the spec's formula (materialising)."""
+    if not terms:
+        return a
+    B, N, T, S = a.shape
+    x = ops.reshape(a, (B, G, N // G, T, S))
+    out = x
+    t = {n: ops.cast(w, "float32") for n, w in terms.items() if w is not None}
+    if "static" in t:
+        out = out + ops.einsum("bgmts,gmn->bgnts", x, t["static"])
+    for side, axis in (("q", "t"), ("k", "s")):
+        if side + "w1" in t:
+            h = ops.einsum(f"bgmts,b{axis}grm->bgrts", x, t[side + "w1"])
+            out = out + ops.einsum(f"bgrts,b{axis}grn->bgnts", h, t[side + "w2"])
+    if "qdd" in t:
+        out = out + x * ops.transpose(t["qdd"], (0, 2, 3, 1))[..., None]
+    if "kdd" in t:
+        out = out + x * ops.transpose(t["kdd"], (0, 2, 3, 1))[..., None, :]
+    return ops.reshape(out, (B, N, T, S))
+
+
+def reference(q, k, v, *, num_groups, pre=None, post=None, mask=None, causal=False,
+              sliding_window=None, scale=None, query_offset=0):
+    """``attention`` without blocks or the kernel, materialising (B, N, T, S)."""
+    B, T, N, d = q.shape
+    S = k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    qh, kh, vh = _heads(q, k, v, scale)
+    a = _compose_reference(ops.matmul(qh, kh), num_groups, pre)
+    vis = _visible(mask, 0, T, 0, S, causal, sliding_window, query_offset)
+    if vis is None:
+        vis = ops.ones((1, T, S), "bool")
+    m = vis[:, None]
+    p = ops.where(m, ops.softmax(ops.where(m, a, _NEG), axis=-1), 0.0)
+    p = ops.where(m, _compose_reference(p, num_groups, post), 0.0)
+    return ops.transpose(ops.matmul(p, vh), (0, 2, 1, 3))
+
+
+# ---------------------------------------------------------------------------
+# The registry contract of the Keras fast paths built on this core
+# ---------------------------------------------------------------------------
+
+#: Smallest T * S that ``implementation="auto"`` sends to these paths (as the torch core's:
+#: below it every core takes a few milliseconds).
+MIN_PREFERRED_TS = 64 * 128
+#: Most query blocks a call may have (each is unrolled into the traced program; longer
+#: sequences take the "ops" core's loops).
+MAX_BLOCKS = 64
+
+
+def block_size(call):
+    """Queries per block: ``query_chunk_size``, else ``dcmha.ops.auto_query_chunk_size``."""
+    from dcmha import ops as dops
+
+    B, T, N = call["q"].shape[:3]
+    S = call["k"].shape[1]
+    chunk = call.get("query_chunk_size") or dops.auto_query_chunk_size(B, N, S, T)
+    return T if chunk is None else max(1, min(int(chunk), T))
+
+
+def unsupported(call, core):
+    """The rules every kernel path shares: None, or why ``call`` cannot run on ``core``
+    (the path's module with ``load`` / ``unavailable_reason``)."""
+    if call.get("return_attention_scores") or call.get("return_intermediates"):
+        return ("return_attention_scores / return_intermediates are not supported "
+                "(the probabilities are never materialised)")
+    if call.get("training") and call.get("dropout_rate", 0.0) > 0.0:
+        return "dropout in training is not supported (use implementation='ops')"
+    offset = call.get("query_offset", 0)
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        return "query_offset must be a Python int"
+    sizes = tuple(call["q"].shape) + tuple(call["k"].shape)
+    if not all(isinstance(n, int) for n in sizes):
+        return "the shapes of q and k must be known"
+    if not core.load():
+        return f"the compiled CPU kernel is unavailable: {core.unavailable_reason()}"
+    T = call["q"].shape[1]
+    blocks = -(-T // block_size(call)) if T else 0
+    if blocks > MAX_BLOCKS:
+        return f"more than {MAX_BLOCKS} query blocks ({blocks}); the 'ops' core loops over them"
+    return None
+
+
+def preferred(call):
+    """T * S >= ``MIN_PREFERRED_TS``."""
+    return int(call["q"].shape[1]) * int(call["k"].shape[1]) >= MIN_PREFERRED_TS
+
+
+def keras_attention(core, q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask,
+                    sliding_window, query_offset, query_chunk_size, **_):
+    """The contract of ``dcmha.ops._attention_ops`` for ``core.dcmha_attention``."""
+    from dcmha import ops as dops
+
+    o = core.dcmha_attention(
+        q, k, v, num_groups=num_groups, pre=pre or None, post=post or None,
+        mask=dops._standardize_mask(attention_mask), causal=bool(use_causal_mask),
+        sliding_window=sliding_window, query_offset=query_offset,
+        block_q=block_size(dict(q=q, k=k, query_chunk_size=query_chunk_size)))
+    return o, {}

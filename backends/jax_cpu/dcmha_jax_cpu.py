@@ -1,0 +1,73 @@
+"""DCMHA attention for JAX on CPU: the blocked core of ``dcmha.backends.cpu_blocks`` with
+its composes run by the compiled C kernel of ``dcmha.backends.cpu_kernel`` through the XLA
+FFI (``jax.ffi``), as a ``jax.custom_vjp`` whose backward is the kernel's backward.
+
+``load()`` builds the kernel with its FFI handlers on first use (C and C++ compilers needed;
+cached) and registers them as ``jax.ffi`` targets. ``dcmha_attention`` is the fast function,
+``dcmha_attention_reference`` the plain one beside it (``cpu_blocks.reference``: no blocks,
+no kernel). Both run on the Keras jax backend (they are written in ``keras.ops``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from .. import cpu_blocks, cpu_kernel
+
+__all__ = ["dcmha_attention", "dcmha_attention_reference", "load", "unavailable_reason"]
+
+_FORWARD, _BACKWARD = "dcmha_compose_forward", "dcmha_compose_backward"
+
+
+def _build():
+    """(True, None) once the FFI kernel is built and registered, else (None, reason)."""
+    lib, reason = cpu_kernel.build_ffi_library(jax.ffi.include_dir())
+    if lib is None:
+        return None, reason
+    try:
+        jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(lib.DcmhaComposeForward),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(lib.DcmhaComposeBackward),
+                                    platform="cpu")
+    except Exception as e:      # noqa: BLE001 - any registration failure
+        return None, f"registering the FFI targets failed: {e}"
+    return True, None
+
+
+# ---------------------------------------------------------------------------
+# The compose kernel as a differentiable JAX function
+# ---------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _compose(x, wq, kw1, kw2, kdd, flags):
+    """Compose of a block x (B, G, M, t, s); terms as in ``cpu_kernel._FFI_SOURCE``."""
+    return jax.ffi.ffi_call(_FORWARD, jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                            vmap_method="sequential")(x, wq, kw1, kw2, kdd,
+                                                      flags=np.int64(flags))
+
+
+def _compose_fwd(x, wq, kw1, kw2, kdd, flags):
+    return _compose(x, wq, kw1, kw2, kdd, flags), (x, wq, kw1, kw2, kdd)
+
+
+def _compose_bwd(flags, res, g):
+    shapes = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in res]
+    x, wq, kw1, kw2, kdd = res
+    return tuple(jax.ffi.ffi_call(_BACKWARD, shapes, vmap_method="sequential")(
+        x, g, wq, kw1, kw2, kdd, flags=np.int64(flags)))
+
+
+_compose.defvjp(_compose_fwd, _compose_bwd)
+
+
+_PATH = cpu_blocks.KernelPath(_build, lambda _: _compose)
+#: load() -> bool, unavailable_reason() -> str or None, and
+#: dcmha_attention(q, k, v, **kwargs): ``cpu_blocks.attention`` with this kernel.
+load, unavailable_reason, dcmha_attention = _PATH.load, _PATH.unavailable_reason, _PATH.attention
+#: The plain function beside the kernel (no blocks, no kernel; materialising).
+dcmha_attention_reference = cpu_blocks.reference
