@@ -1,6 +1,6 @@
 """Run the whole dcmha test suite: every Keras backend, each in its own process.
 
-Usage: python tools/test_all.py [--only LABEL[,LABEL...]] [--list]
+Usage: python tools/test_all.py [--only LABEL[,LABEL...]] [--jobs N] [--list]
 
 Keras fixes its backend at import, and TensorFlow and Triton cannot share a
 process, so the suite is a list of steps, each a separate pytest (or
@@ -9,11 +9,17 @@ own output, then one summary row per step and the closing line
 ``N passed, M failed, K skipped``; it exits non-zero if any step failed,
 errored, or collected no tests (pytest's exit code 5 is an error here: a step
 that runs nothing proves nothing).
+
+Steps run ``--jobs`` at a time (default: 2, or 1 on a one-CPU machine), longest
+first; a step's output is printed whole when it ends. Most steps spend their time
+in single-threaded tracing and compiling, so two at a time on two cores take
+about two thirds of the sequential time.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -74,7 +80,13 @@ def _junit_counts(path: Path) -> dict:
     return counts
 
 
-def run_step(label: str, env_over: dict, args, tmp: Path) -> dict:
+#: Rough step durations (seconds, 2-core machine) for ordering the steps longest first.
+_EXPECTED_SECONDS = {"conformance": 420, "keras-jax": 390, "keras-tensorflow": 150,
+                     "tf-xla": 70, "pallas-interpret": 60, "triton-interpret": 50,
+                     "keras-torch": 40}
+
+
+def run_step(label: str, env_over: dict, args, tmp: Path, capture: bool = False) -> dict:
     env = dict(os.environ, **env_over)
     env.setdefault("PYTHONHASHSEED", "0")
     if args is None:
@@ -85,10 +97,17 @@ def run_step(label: str, env_over: dict, args, tmp: Path) -> dict:
         report = tmp / f"{label}.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                f"--junitxml={report}", *args]
-    print(f"\n===== {label}: {' '.join(f'{k}={v}' for k, v in env_over.items())} "
-          f"{' '.join(cmd[1:])}", flush=True)
+    header = (f"\n===== {label}: {' '.join(f'{k}={v}' for k, v in env_over.items())} "
+              f"{' '.join(cmd[1:])}")
     t0 = time.time()
-    rc = subprocess.call(cmd, cwd=ROOT, env=env)
+    if capture:
+        log = tmp / f"{label}.log"
+        with open(log, "w") as out:
+            rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        print(header + "\n" + log.read_text(), flush=True)
+    else:
+        print(header, flush=True)
+        rc = subprocess.call(cmd, cwd=ROOT, env=env)
     elapsed = time.time() - t0
     if args is None:
         counts = {"passed": 0, "failed": 0, "skipped": 0}
@@ -112,6 +131,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated step labels to run")
     ap.add_argument("--list", action="store_true", help="list the steps and exit")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                    help="steps run at a time (default: %(default)s)")
     ns = ap.parse_args(argv)
     todo = steps()
     if ns.list:
@@ -125,10 +146,20 @@ def main(argv=None) -> int:
             print(f"unknown step(s) {unknown}; known: {[s[0] for s in todo]}", file=sys.stderr)
             return 2
         todo = [s for s in todo if s[0] in wanted]
-    results = []
+    if ns.jobs < 1:
+        print(f"--jobs must be >= 1, got {ns.jobs}", file=sys.stderr)
+        return 2
+    order = {s[0]: i for i, s in enumerate(todo)}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, env, args in todo:
-            results.append(run_step(label, env, args, Path(tmp)))
+        if ns.jobs == 1:
+            results = [run_step(label, env, args, Path(tmp)) for label, env, args in todo]
+        else:
+            queue = sorted(todo, key=lambda s: -_EXPECTED_SECONDS.get(s[0], 10))
+            with concurrent.futures.ThreadPoolExecutor(ns.jobs) as pool:
+                futures = [pool.submit(run_step, label, env, args, Path(tmp), True)
+                           for label, env, args in queue]
+                results = [f.result() for f in futures]
+            results.sort(key=lambda r: order[r["label"]])
     print("\n===== summary")
     print(f"{'step':<20} {'passed':>7} {'failed':>7} {'skipped':>8} {'seconds':>8}  status")
     for r in results:
