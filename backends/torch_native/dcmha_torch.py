@@ -453,9 +453,19 @@ def _scores(q3, k3, scale, ws, name, t0, t1, s0, s1):
     return x.transpose(1, 2)
 
 
-def _kernel(x):
-    """The compiled compose kernel (``cpu_kernel``) for a CPU block, else None."""
-    return cpu_kernel.load() if x.device.type == "cpu" else None
+def _kernel(*arrays):
+    """The compiled compose kernel (``cpu_kernel``) for a CPU block, else None.
+
+    The kernel reads raw float32 memory with a unit stride along the key axis: every
+    array of the block (the None of absent terms aside) must be a CPU float32 tensor
+    whose last axis is contiguous (the block loop's buffers and the prepared terms
+    always are; anything else takes the PyTorch ops).
+    """
+    for a in arrays:
+        if a is not None and (a.device.type != "cpu" or a.dtype != torch.float32
+                              or (a.shape[-1] > 1 and a.stride(-1) != 1)):
+            return None
+    return cpu_kernel.load()
 
 
 def _block_terms(st, t0, t1, s0, s1):
@@ -486,7 +496,7 @@ def _compose(x, st, pb: _Problem, ws, out_name, h_name, t0, t1, s0, s1, inplace)
         return x, None
     B, t, N, s = x.shape
     G, M = pb.G, pb.M
-    lib = _kernel(x)
+    lib = _kernel(x, *st)
     if lib is not None:
         out = x if inplace else ws.take(out_name, B, t, N, s)
         cpu_kernel.compose_forward(lib, x, out, _block_terms(st, t0, t1, s0, s1), G, pb.R)
@@ -532,7 +542,7 @@ def _compose_backward(x, g, h, st, dst, pb: _Problem, ws, out_name, t0, t1, s0, 
     d_wq, d_kw1, d_kw2, d_kdd = dst
     B, t, N, s = x.shape
     G, M = pb.G, pb.M
-    lib = _kernel(x)
+    lib = _kernel(x, g, *st, *dst)
     if lib is not None:          # dx in place of g
         return cpu_kernel.compose_backward(lib, x, g, g, _block_terms(st, t0, t1, s0, s1),
                                            _block_terms(dst, t0, t1, s0, s1), G, pb.R)
