@@ -49,7 +49,8 @@ import sys
 import tempfile
 import threading
 
-__all__ = ["load", "unavailable_reason", "compose_forward", "compose_backward", "CHUNK"]
+__all__ = ["load", "unavailable_reason", "compose_forward", "compose_backward", "disabled",
+           "build_library", "build_ffi_library", "build_tf_library", "CHUNK"]
 
 #: Keys per chunk of the inner loops (the chunk of M rows stays in L1).
 CHUNK = 64
