@@ -27,7 +27,8 @@ fixed (t, s)); rows without a visible key are zeroed on the output.
 Everything is float32.
 
 ``reference`` is the same function without blocks or the kernel
-(materialising (B, N, T, S)), by the spec's formulas in ``keras.ops``.
+(materialising (B, N, T, S)), composing with the "ops" core's ``dcmha.ops.compose``.
+Masks, key ranges and the split / join of the blocks are the "ops" core's helpers too.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import threading
 from typing import Callable, Mapping, Optional
 
 from keras import ops
+
+from dcmha import ops as dops
 
 from . import cpu_kernel
 
@@ -92,22 +95,15 @@ def stage_arrays(terms: Optional[Mapping], B, T, G, M):
     """A stage's kernel arrays (wq, kw1, kw2, kdd), None where absent, or None (no stage).
 
     wq (B, T, G, M, M) folds the residual, static and query-side terms (out[n] =
-    sum_m wq[n, m] x[m], as ``dcmha.ops.compose_matrices``); kw1, kw2 (B, G, R, M, S)
+    sum_m wq[n, m] x[m], ``dcmha.ops.query_compose_matrix``); kw1, kw2 (B, G, R, M, S)
     and kdd (B, G, M, S) are the key-side terms with the key axis last.
     """
     if not terms:
         return None
     f = {n: ops.cast(v, "float32") for n, v in terms.items() if v is not None}
-    wq = None
-    if any(n in f for n in ("static", "qw1", "qdd")):
-        eye = ops.eye(M, dtype="float32")
-        wq = ops.broadcast_to(eye, (B, T, G, M, M))                  # the residual
-        if "static" in f:
-            wq = wq + ops.swapaxes(f["static"], -1, -2)
-        if "qw1" in f:
-            wq = wq + ops.einsum("btgrm,btgrn->btgnm", f["qw1"], f["qw2"])
-        if "qdd" in f:
-            wq = wq + f["qdd"][..., :, None] * eye
+    wq = dops.query_compose_matrix(f, M)
+    if wq is not None:
+        wq = ops.broadcast_to(wq, (B, T, G, M, M))
     kw1 = kw2 = kdd = None
     if "kw1" in f:
         kw1 = ops.transpose(f["kw1"], (0, 2, 3, 4, 1))
@@ -115,17 +111,6 @@ def stage_arrays(terms: Optional[Mapping], B, T, G, M):
     if "kdd" in f:
         kdd = ops.transpose(f["kdd"], (0, 2, 3, 1))
     return wq, kw1, kw2, kdd
-
-
-def _split(x, bounds, axis):
-    """Pieces of x along ``axis`` at ``bounds`` [(start, stop), ...] (one op)."""
-    if len(bounds) == 1:
-        return [x]
-    return ops.split(x, [b[0] for b in bounds[1:]], axis=axis)
-
-
-def _join(parts, axis):
-    return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=axis)
 
 
 def flags_of(stage):
@@ -142,8 +127,9 @@ def _split_stage(stage, q_bounds, k_bounds):
     if stage is None:
         return None
     wq, kw1, kw2, kdd = stage
-    return (None if wq is None else _split(wq, q_bounds, 1),
-            *(None if a is None else _split(a, k_bounds, a.ndim - 1) for a in (kw1, kw2, kdd)))
+    return (None if wq is None else dops._split(wq, q_bounds, axis=1),
+            *(None if a is None else dops._split(a, k_bounds, axis=a.ndim - 1)
+              for a in (kw1, kw2, kdd)))
 
 
 def _compose_block(compose, x, parts, flags, i, j0, j1):
@@ -152,27 +138,8 @@ def _compose_block(compose, x, parts, flags, i, j0, j1):
         return x
     wq, kw1, kw2, kdd = parts
     dummy = ops.zeros((1,), "float32")
-    keys = lambda a: dummy if a is None else _join(a[j0:j1], a[0].ndim - 1)  # noqa: E731
+    keys = lambda a: dummy if a is None else dops._join(a[j0:j1], axis=a[0].ndim - 1)  # noqa: E731
     return compose(x, dummy if wq is None else wq[i], keys(kw1), keys(kw2), keys(kdd), flags)
-
-
-def _visible(mask, t0, t1, s0, s1, causal, window, offset):
-    """(B|1, t, s) bool of a block, or None when every entry is visible."""
-    vis = None
-    if causal or window is not None:
-        ti = ops.arange(t0, t1)[:, None] + offset
-        si = ops.arange(s0, s1)[None, :]
-        if causal:
-            vis = si <= ti
-        if window is not None:
-            band = (ti - si < window) if causal else (ops.abs(ti - si) < window)
-            vis = band if vis is None else ops.logical_and(vis, band)
-        vis = vis[None]
-    if mask is not None:
-        m = mask[:, (slice(None) if mask.shape[1] == 1 else slice(t0, t1)),
-                 (slice(None) if mask.shape[2] == 1 else slice(s0, s1))]
-        vis = m if vis is None else ops.logical_and(m, vis)
-    return vis
 
 
 def _heads(q, k, v, scale):
@@ -207,8 +174,6 @@ def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, c
     Returns:
         o: (B, T, N, d_v) float32.
     """
-    from dcmha.ops import _key_range      # the "ops" core's visible-key rule
-
     B, T, N, d = q.shape
     S = k.shape[1]
     G = num_groups
@@ -219,8 +184,8 @@ def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, c
     # Blocks of block_q queries against whole blocks of block_q keys.
     q_bounds = [(t0, min(T, t0 + block_q)) for t0 in range(0, T, block_q)]
     k_bounds = [(s0, min(S, s0 + block_q)) for s0 in range(0, S, block_q)]
-    q_parts = _split(qh, q_bounds, 2)
-    k_parts, v_parts = _split(kh, k_bounds, 3), _split(vh, k_bounds, 2)
+    q_parts = dops._split(qh, q_bounds, axis=2)
+    k_parts, v_parts = dops._split(kh, k_bounds, axis=3), dops._split(vh, k_bounds, axis=2)
     stages = []
     for terms in (pre, post):
         st = stage_arrays(terms, B, T, G, M)
@@ -228,51 +193,32 @@ def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, c
                                                flags_of(st)))
     outs = []
     for i, (t0, t1) in enumerate(q_bounds):
-        s0, s1 = _key_range(t0, t1, S, use_causal_mask=causal, sliding_window=sliding_window,
-                            query_offset=query_offset)
+        s0, s1 = dops._key_range(t0, t1, S, use_causal_mask=causal,
+                                 sliding_window=sliding_window, query_offset=query_offset)
         if s1 <= s0:
             outs.append(ops.zeros((B, N, t1 - t0, d_v), "float32"))
             continue
         j0, j1 = s0 // block_q, -(-s1 // block_q)
         s0, s1 = k_bounds[j0][0], k_bounds[j1 - 1][1]
         t, s = t1 - t0, s1 - s0
-        x = ops.reshape(ops.matmul(q_parts[i], _join(k_parts[j0:j1], 3)), (B, G, M, t, s))
+        x = ops.reshape(ops.matmul(q_parts[i], dops._join(k_parts[j0:j1], axis=3)),
+                        (B, G, M, t, s))
         if stages[0] is not None:
             x = _compose_block(compose, x, *stages[0], i, j0, j1)
-        vis = _visible(mask, t0, t1, s0, s1, causal, sliding_window, query_offset)
+        vis = dops._block_mask(mask, t0, t1, s0, s1, use_causal_mask=causal,
+                               sliding_window=sliding_window, query_offset=query_offset)
         if vis is not None:
             x = ops.where(vis[:, None, None], x, _NEG)
         # one visible key: softmax is 1 (a masked one belongs to a fully masked row)
         p = ops.ones_like(x) if s == 1 else ops.softmax(x, axis=-1)
         if stages[1] is not None:
             p = _compose_block(compose, p, *stages[1], i, j0, j1)
-        o = ops.matmul(ops.reshape(p, (B, N, t, s)), _join(v_parts[j0:j1], 2))
+        o = ops.matmul(ops.reshape(p, (B, N, t, s)), dops._join(v_parts[j0:j1], axis=2))
         if vis is not None:                      # rows without a visible key -> 0
             o = o * ops.cast(ops.any(vis, axis=-1), "float32")[:, None, :, None]
         outs.append(o)
-    o = _join(outs, 2)
+    o = dops._join(outs, axis=2)
     return ops.transpose(o, (0, 2, 1, 3))
-
-
-def _compose_reference(a, G, terms):
-    """Compose of a (B, N, T, S) by the spec's formula (materialising)."""
-    if not terms:
-        return a
-    B, N, T, S = a.shape
-    x = ops.reshape(a, (B, G, N // G, T, S))
-    out = x
-    t = {n: ops.cast(w, "float32") for n, w in terms.items() if w is not None}
-    if "static" in t:
-        out = out + ops.einsum("bgmts,gmn->bgnts", x, t["static"])
-    for side, axis in (("q", "t"), ("k", "s")):
-        if side + "w1" in t:
-            h = ops.einsum(f"bgmts,b{axis}grm->bgrts", x, t[side + "w1"])
-            out = out + ops.einsum(f"bgrts,b{axis}grn->bgnts", h, t[side + "w2"])
-    if "qdd" in t:
-        out = out + x * ops.transpose(t["qdd"], (0, 2, 3, 1))[..., None]
-    if "kdd" in t:
-        out = out + x * ops.transpose(t["kdd"], (0, 2, 3, 1))[..., None, :]
-    return ops.reshape(out, (B, N, T, S))
 
 
 def reference(q, k, v, *, num_groups, pre=None, post=None, mask=None, causal=False,
@@ -282,13 +228,14 @@ def reference(q, k, v, *, num_groups, pre=None, post=None, mask=None, causal=Fal
     S = k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qh, kh, vh = _heads(q, k, v, scale)
-    a = _compose_reference(ops.matmul(qh, kh), num_groups, pre)
-    vis = _visible(mask, 0, T, 0, S, causal, sliding_window, query_offset)
+    a = dops.compose(ops.matmul(qh, kh), num_groups, **(pre or {}))
+    vis = dops._block_mask(mask, 0, T, 0, S, use_causal_mask=causal,
+                           sliding_window=sliding_window, query_offset=query_offset)
     if vis is None:
         vis = ops.ones((1, T, S), "bool")
     m = vis[:, None]
     p = ops.where(m, ops.softmax(ops.where(m, a, _NEG), axis=-1), 0.0)
-    p = ops.where(m, _compose_reference(p, num_groups, post), 0.0)
+    p = ops.where(m, dops.compose(p, num_groups, **(post or {})), 0.0)
     return ops.transpose(ops.matmul(p, vh), (0, 2, 1, 3))
 
 
@@ -306,8 +253,6 @@ MAX_BLOCKS = 64
 
 def block_size(call):
     """Queries per block: ``query_chunk_size``, else ``dcmha.ops.auto_query_chunk_size``."""
-    from dcmha import ops as dops
-
     B, T, N = call["q"].shape[:3]
     S = call["k"].shape[1]
     chunk = call.get("query_chunk_size") or dops.auto_query_chunk_size(B, N, S, T)
@@ -345,8 +290,6 @@ def preferred(call):
 def keras_attention(core, q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask,
                     sliding_window, query_offset, query_chunk_size, **_):
     """The contract of ``dcmha.ops._attention_ops`` for ``core.dcmha_attention``."""
-    from dcmha import ops as dops
-
     o = core.dcmha_attention(
         q, k, v, num_groups=num_groups, pre=pre or None, post=post or None,
         mask=dops._standardize_mask(attention_mask), causal=bool(use_causal_mask),

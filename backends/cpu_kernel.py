@@ -718,11 +718,19 @@ static void fill_from(Args &a, const Tensor &x, const Tensor &wq, const Tensor &
                flags);
 }
 
-class DcmhaComposeForwardOp : public OpKernel {
+/* Both ops: the "flags" attribute, read once. */
+class DcmhaComposeOp : public OpKernel {
   public:
-    explicit DcmhaComposeForwardOp(OpKernelConstruction *c) : OpKernel(c) {
+    explicit DcmhaComposeOp(OpKernelConstruction *c) : OpKernel(c) {
         OP_REQUIRES_OK(c, c->GetAttr("flags", &flags_));
     }
+  protected:
+    int64_t flags_;
+};
+
+class DcmhaComposeForwardOp : public DcmhaComposeOp {
+  public:
+    using DcmhaComposeOp::DcmhaComposeOp;
     void Compute(OpKernelContext *c) override {
         const Tensor &x = c->input(0);
         check_x(c, x);
@@ -735,15 +743,11 @@ class DcmhaComposeForwardOp : public OpKernel {
         OP_REQUIRES(c, dcmha_compose_forward(&a) == 0,
                     errors::ResourceExhausted("dcmha compose: out of memory"));
     }
-  private:
-    int64_t flags_;
 };
 
-class DcmhaComposeBackwardOp : public OpKernel {
+class DcmhaComposeBackwardOp : public DcmhaComposeOp {
   public:
-    explicit DcmhaComposeBackwardOp(OpKernelConstruction *c) : OpKernel(c) {
-        OP_REQUIRES_OK(c, c->GetAttr("flags", &flags_));
-    }
+    using DcmhaComposeOp::DcmhaComposeOp;
     void Compute(OpKernelContext *c) override {
         const Tensor &x = c->input(0);
         check_x(c, x);
@@ -763,8 +767,6 @@ class DcmhaComposeBackwardOp : public OpKernel {
         OP_REQUIRES(c, dcmha_compose_backward(&a) == 0,
                     errors::ResourceExhausted("dcmha compose: out of memory"));
     }
-  private:
-    int64_t flags_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("DcmhaComposeForward").Device(DEVICE_CPU), DcmhaComposeForwardOp);

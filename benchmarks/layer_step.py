@@ -33,13 +33,12 @@ import time
 import numpy as np
 
 
-#: TensorFlow only: XLA-compile the whole step / forward (``--tf-xla``), as Keras's
-#: ``Model.fit`` / ``predict`` do on TensorFlow by default (``jit_compile="auto"``).
-_TF_JIT = None
+def make_step(layer, x, tf_xla=False):
+    """A zero-argument callable running one training step and blocking on it.
 
-
-def make_step(layer, x):
-    """A zero-argument callable running one training step and blocking on it."""
+    ``tf_xla`` (tensorflow only): XLA-compile it, ``tf.function(jit_compile=True)``, as
+    Keras's ``Model.fit`` does on TensorFlow by default (``jit_compile="auto"``).
+    """
     import keras
 
     backend = keras.backend.backend()
@@ -78,7 +77,7 @@ def make_step(layer, x):
 
         xt = tf.constant(x)
 
-        @tf.function(jit_compile=_TF_JIT)
+        @tf.function(jit_compile=True if tf_xla else None)
         def grad_step(inp):
             with tf.GradientTape() as tape:
                 tape.watch(inp)
@@ -93,8 +92,9 @@ def make_step(layer, x):
     raise SystemExit(f"unsupported backend {backend!r}")
 
 
-def make_forward(layer, x):
-    """A zero-argument callable running one forward (no gradient) and blocking on it."""
+def make_forward(layer, x, tf_xla=False):
+    """A zero-argument callable running one forward (no gradient) and blocking on it
+    (``tf_xla`` as for ``make_step``)."""
     import keras
 
     backend = keras.backend.backend()
@@ -128,7 +128,7 @@ def make_forward(layer, x):
 
         xt = tf.constant(x)
 
-        @tf.function(jit_compile=_TF_JIT)
+        @tf.function(jit_compile=True if tf_xla else None)
         def fwd(inp):
             return layer(inp, inp, use_causal_mask=True)
 
@@ -172,8 +172,6 @@ def main(argv=None):
                              "forward (what Model.fit / predict use by default)")
     parser.add_argument("--json", default=None, help="write the results to this file")
     args = parser.parse_args(argv)
-    global _TF_JIT
-    _TF_JIT = True if args.tf_xla else None
     if args.omp_wait_policy != "keep":
         os.environ.setdefault("OMP_WAIT_POLICY", args.omp_wait_policy)
 
@@ -191,9 +189,9 @@ def main(argv=None):
     steps, forwards = {}, {}
     for name, layer in layers.items():
         layer(x[:, :8], x[:, :8])                   # build
-        steps[name] = make_step(layer, x)
+        steps[name] = make_step(layer, x, args.tf_xla)
         if not args.no_forward:
-            forwards[name] = make_forward(layer, x)
+            forwards[name] = make_forward(layer, x, args.tf_xla)
         for _ in range(args.warmup):
             steps[name]()
             if not args.no_forward:

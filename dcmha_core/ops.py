@@ -281,6 +281,23 @@ def stage_terms(stage, query_dynamic=None, key_dynamic=None, static=None):
 # Compose
 # ---------------------------------------------------------------------------
 
+def query_compose_matrix(terms, num_heads_per_group):
+    """The query-side factor of compose: wq[n, m] = I + static[m, n] + sum_r qw1[r, m]
+    qw2[r, n] + diag(qdd)[m, n], float32, (B, T, G, M, M) (or (G, M, M) with static terms
+    only), or None without query-side and static terms (see ``compose_matrices``)."""
+    if not any(n in terms for n in ("static", "qw1", "qdd")):
+        return None
+    eye = ops.eye(num_heads_per_group, dtype="float32")
+    wq = eye                                        # the residual
+    if "static" in terms:
+        wq = wq + ops.transpose(ops.cast(terms["static"], "float32"), (0, 2, 1))
+    if "qw1" in terms:
+        wq = wq + ops.einsum("btgrm,btgrn->btgnm", terms["qw1"], terms["qw2"])
+    if "qdd" in terms:
+        wq = wq + terms["qdd"][..., :, None] * eye
+    return wq
+
+
 def compose_matrices(terms, num_heads_per_group):
     """The two small factors of compose, in float32 (M = ``num_heads_per_group``).
 
@@ -295,15 +312,7 @@ def compose_matrices(terms, num_heads_per_group):
     """
     M = num_heads_per_group
     eye = ops.eye(M, dtype="float32")
-    wq = None
-    if any(n in terms for n in ("static", "qw1", "qdd")):
-        wq = eye                                    # the residual
-    if "static" in terms:
-        wq = wq + ops.transpose(ops.cast(terms["static"], "float32"), (0, 2, 1))
-    if "qw1" in terms:
-        wq = wq + ops.einsum("btgrm,btgrn->btgnm", terms["qw1"], terms["qw2"])
-    if "qdd" in terms:
-        wq = wq + terms["qdd"][..., :, None] * eye
+    wq = query_compose_matrix(terms, M)
     wk = None
     if "kw1" in terms:
         wk = ops.einsum("bsgrm,bsgrn->bsgnm", terms["kw1"], terms["kw2"])
