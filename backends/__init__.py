@@ -1,0 +1,28 @@
+"""Fast paths of DCMHA attention, one package each, each beside its plain reference.
+
+Each package registers itself with ``dcmha.registry`` through an ``IMPLEMENTATION``
+object named by the entry-point group ``dcmha.implementations`` (pyproject.toml),
+exactly as an out-of-tree package would. Importing a package imports no framework.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+#: T * S from which ``implementation="auto"`` takes a blocked CPU core ("torch",
+#: "jax_cpu", "tf_cpu") over the plain one: below it every core takes a few
+#: milliseconds, dominated by per-op overhead (see backends/torch_native/keras_core.py).
+CPU_MIN_LENGTH_PRODUCT = 64 * 128
+
+
+def lazy_attributes(package: str, module: str, names):
+    """A module ``__getattr__`` that loads ``names`` from ``package.module`` on first use
+    (so importing the package does not import the framework the module needs)."""
+    names = frozenset(names)
+
+    def __getattr__(name):
+        if name in names:
+            return getattr(importlib.import_module(f"{package}.{module}"), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

@@ -40,12 +40,13 @@ from typing import Callable, Mapping, Optional
 from keras import ops
 
 from dcmha import ops as dops
+from dcmha.spec.terms import MASKED_SCORE
 
 from . import cpu_kernel
 
 __all__ = ["KernelPath", "attention", "reference", "stage_arrays", "flags_of"]
 
-_NEG = -1.0e30
+_NEG = MASKED_SCORE
 
 
 class KernelPath:
@@ -127,8 +128,8 @@ def _split_stage(stage, q_bounds, k_bounds):
     if stage is None:
         return None
     wq, kw1, kw2, kdd = stage
-    return (None if wq is None else dops._split(wq, q_bounds, axis=1),
-            *(None if a is None else dops._split(a, k_bounds, axis=a.ndim - 1)
+    return (None if wq is None else dops.split_blocks(wq, q_bounds, axis=1),
+            *(None if a is None else dops.split_blocks(a, k_bounds, axis=a.ndim - 1)
               for a in (kw1, kw2, kdd)))
 
 
@@ -138,7 +139,7 @@ def _compose_block(compose, x, parts, flags, i, j0, j1):
         return x
     wq, kw1, kw2, kdd = parts
     dummy = ops.zeros((1,), "float32")
-    keys = lambda a: dummy if a is None else dops._join(a[j0:j1], axis=a[0].ndim - 1)  # noqa: E731
+    keys = lambda a: dummy if a is None else dops.join_blocks(a[j0:j1], axis=a[0].ndim - 1)  # noqa: E731
     return compose(x, dummy if wq is None else wq[i], keys(kw1), keys(kw2), keys(kdd), flags)
 
 
@@ -184,8 +185,8 @@ def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, c
     # Blocks of block_q queries against whole blocks of block_q keys.
     q_bounds = [(t0, min(T, t0 + block_q)) for t0 in range(0, T, block_q)]
     k_bounds = [(s0, min(S, s0 + block_q)) for s0 in range(0, S, block_q)]
-    q_parts = dops._split(qh, q_bounds, axis=2)
-    k_parts, v_parts = dops._split(kh, k_bounds, axis=3), dops._split(vh, k_bounds, axis=2)
+    q_parts = dops.split_blocks(qh, q_bounds, axis=2)
+    k_parts, v_parts = dops.split_blocks(kh, k_bounds, axis=3), dops.split_blocks(vh, k_bounds, axis=2)
     stages = []
     for terms in (pre, post):
         st = stage_arrays(terms, B, T, G, M)
@@ -193,7 +194,7 @@ def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, c
                                                flags_of(st)))
     outs = []
     for i, (t0, t1) in enumerate(q_bounds):
-        s0, s1 = dops._key_range(t0, t1, S, use_causal_mask=causal,
+        s0, s1 = dops.key_range(t0, t1, S, use_causal_mask=causal,
                                  sliding_window=sliding_window, query_offset=query_offset)
         if s1 <= s0:
             outs.append(ops.zeros((B, N, t1 - t0, d_v), "float32"))
@@ -201,11 +202,11 @@ def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, c
         j0, j1 = s0 // block_q, -(-s1 // block_q)
         s0, s1 = k_bounds[j0][0], k_bounds[j1 - 1][1]
         t, s = t1 - t0, s1 - s0
-        x = ops.reshape(ops.matmul(q_parts[i], dops._join(k_parts[j0:j1], axis=3)),
+        x = ops.reshape(ops.matmul(q_parts[i], dops.join_blocks(k_parts[j0:j1], axis=3)),
                         (B, G, M, t, s))
         if stages[0] is not None:
             x = _compose_block(compose, x, *stages[0], i, j0, j1)
-        vis = dops._block_mask(mask, t0, t1, s0, s1, use_causal_mask=causal,
+        vis = dops.block_mask(mask, t0, t1, s0, s1, use_causal_mask=causal,
                                sliding_window=sliding_window, query_offset=query_offset)
         if vis is not None:
             x = ops.where(vis[:, None, None], x, _NEG)
@@ -213,11 +214,11 @@ def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, c
         p = ops.ones_like(x) if s == 1 else ops.softmax(x, axis=-1)
         if stages[1] is not None:
             p = _compose_block(compose, p, *stages[1], i, j0, j1)
-        o = ops.matmul(ops.reshape(p, (B, N, t, s)), dops._join(v_parts[j0:j1], axis=2))
+        o = ops.matmul(ops.reshape(p, (B, N, t, s)), dops.join_blocks(v_parts[j0:j1], axis=2))
         if vis is not None:                      # rows without a visible key -> 0
             o = o * ops.cast(ops.any(vis, axis=-1), "float32")[:, None, :, None]
         outs.append(o)
-    o = dops._join(outs, axis=2)
+    o = dops.join_blocks(outs, axis=2)
     return ops.transpose(o, (0, 2, 1, 3))
 
 
@@ -229,7 +230,7 @@ def reference(q, k, v, *, num_groups, pre=None, post=None, mask=None, causal=Fal
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qh, kh, vh = _heads(q, k, v, scale)
     a = dops.compose(ops.matmul(qh, kh), num_groups, **(pre or {}))
-    vis = dops._block_mask(mask, 0, T, 0, S, use_causal_mask=causal,
+    vis = dops.block_mask(mask, 0, T, 0, S, use_causal_mask=causal,
                            sliding_window=sliding_window, query_offset=query_offset)
     if vis is None:
         vis = ops.ones((1, T, S), "bool")
@@ -243,9 +244,6 @@ def reference(q, k, v, *, num_groups, pre=None, post=None, mask=None, causal=Fal
 # The registry contract of the Keras fast paths built on this core
 # ---------------------------------------------------------------------------
 
-#: Smallest T * S that ``implementation="auto"`` sends to these paths (as the torch core's:
-#: below it every core takes a few milliseconds).
-MIN_PREFERRED_TS = 64 * 128
 #: Most query blocks a call may have (each is unrolled into the traced program; longer
 #: sequences take the "ops" core's loops).
 MAX_BLOCKS = 64
@@ -253,46 +251,29 @@ MAX_BLOCKS = 64
 
 def block_size(call):
     """Queries per block: ``query_chunk_size``, else ``dcmha.ops.auto_query_chunk_size``."""
-    B, T, N = call["q"].shape[:3]
-    S = call["k"].shape[1]
-    chunk = call.get("query_chunk_size") or dops.auto_query_chunk_size(B, N, S, T)
-    return T if chunk is None else max(1, min(int(chunk), T))
+    chunk = call.query_chunk_size or dops.auto_query_chunk_size(call.B, call.N, call.S, call.T)
+    return call.T if chunk is None else max(1, min(int(chunk), call.T))
 
 
 def unsupported(call, core):
-    """The rules every kernel path shares: None, or why ``call`` cannot run on ``core``
-    (the path's module with ``load`` / ``unavailable_reason``)."""
-    if call.get("return_attention_scores") or call.get("return_intermediates"):
-        return ("return_attention_scores / return_intermediates are not supported "
-                "(the probabilities are never materialised)")
-    if call.get("training") and call.get("dropout_rate", 0.0) > 0.0:
-        return "dropout in training is not supported (use implementation='ops')"
-    offset = call.get("query_offset", 0)
-    if isinstance(offset, bool) or not isinstance(offset, int):
-        return "query_offset must be a Python int"
-    sizes = tuple(call["q"].shape) + tuple(call["k"].shape)
-    if not all(isinstance(n, int) for n in sizes):
-        return "the shapes of q and k must be known"
-    if not core.load():
-        return f"the compiled CPU kernel is unavailable: {core.unavailable_reason()}"
-    T = call["q"].shape[1]
-    blocks = -(-T // block_size(call)) if T else 0
+    """The rules every kernel path shares beyond its declared capabilities: None, or why
+    ``call`` cannot run on ``core`` (the path's module with ``load`` /
+    ``unavailable_reason``). Evaluated after ``preferred``, since it builds the kernel."""
+    if call.B is None:
+        return "the batch size must be known"
+    blocks = -(-call.T // block_size(call)) if call.T else 0
     if blocks > MAX_BLOCKS:
         return f"more than {MAX_BLOCKS} query blocks ({blocks}); the 'ops' core loops over them"
+    if not core.load():
+        return f"the compiled CPU kernel is unavailable: {core.unavailable_reason()}"
     return None
 
 
-def preferred(call):
-    """T * S >= ``MIN_PREFERRED_TS``."""
-    return int(call["q"].shape[1]) * int(call["k"].shape[1]) >= MIN_PREFERRED_TS
-
-
-def keras_attention(core, q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask,
-                    sliding_window, query_offset, query_chunk_size, **_):
-    """The contract of ``dcmha.ops._attention_ops`` for ``core.dcmha_attention``."""
+def keras_attention(core, call):
+    """(o, {}) of ``core.dcmha_attention`` for a validated ``dcmha.call.AttentionCall``."""
     o = core.dcmha_attention(
-        q, k, v, num_groups=num_groups, pre=pre or None, post=post or None,
-        mask=dops._standardize_mask(attention_mask), causal=bool(use_causal_mask),
-        sliding_window=sliding_window, query_offset=query_offset,
-        block_q=block_size(dict(q=q, k=k, query_chunk_size=query_chunk_size)))
+        call.q, call.k, call.v, num_groups=call.num_groups, pre=call.pre, post=call.post,
+        mask=dops.standardize_mask(call.attention_mask), causal=call.use_causal_mask,
+        sliding_window=call.sliding_window, query_offset=call.static_offset,
+        block_q=block_size(call))
     return o, {}

@@ -26,6 +26,7 @@ cache, and blocks skip the keys a causal mask or window hides.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -33,122 +34,25 @@ import numpy as np
 import keras
 from keras import ops
 
+from dcmha import call as dcall
+from dcmha import registry
+from dcmha.call import check_positive_int as _check_positive_int
+from dcmha.call import shape_of as _shape
+from dcmha.spec import terms as spec_terms
+
 W1_NORM_EPS = 1e-6
 QK_NORM_EPS = 1e-6
-# A finite "minus infinity": a fully masked row stays finite through softmax
-# (it becomes uniform and is zeroed afterwards), so no NaN ever appears.
-_MASKED = -1e30
+# A finite "minus infinity" (``dcmha.spec.terms.MASKED_SCORE``): a fully masked
+# row stays finite through softmax (it becomes uniform and is zeroed afterwards).
+_MASKED = spec_terms.MASKED_SCORE
 
 
 _ALL_SLOTS = ("pre_query", "pre_key", "post_query", "post_key")
-_COMPOSE_TERMS = ("kdd", "kw1", "kw2", "qdd", "qw1", "qw2", "static")
-
-
-# ---------------------------------------------------------------------------
-# Argument checks (static shapes only: unknown (None) sizes are not checked)
-# ---------------------------------------------------------------------------
-
-def _shape(x):
-    return tuple(x.shape)
 
 
 def _fits(shape, expected):
     """shape matches expected; None in either (unknown / free) matches anything."""
-    return len(shape) == len(expected) and all(
-        a is None or b is None or a == b for a, b in zip(shape, expected))
-
-
-def _fmt(expected, free=()):
-    """(2, 3, R, 4)-style text: ``free`` maps positions to a letter."""
-    return "(" + ", ".join(dict(free).get(i, str(v)) for i, v in enumerate(expected)) + (
-        ",)" if len(expected) == 1 else ")")
-
-
-def _check_positive_int(name, value, allow_none=False):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        what = "None or a positive integer" if allow_none else "a positive integer"
-        raise ValueError(f"`{name}` must be {what}. Received: {name}={value!r}")
-
-
-def _check_groups(num_groups, N):
-    _check_positive_int("num_groups", num_groups)
-    if N is not None and N % num_groups:
-        raise ValueError(f"`num_groups` must divide the number of heads N={N}. "
-                         f"Received: num_groups={num_groups}")
-
-
-def _check_terms(stage, terms, B, T, S, G, M):
-    """Names, pairs and shapes of one stage's compose terms."""
-    label = (lambda n: f"{stage}['{n}']") if stage else (lambda n: n)
-    unknown = sorted(set(terms) - set(_COMPOSE_TERMS))
-    if unknown:
-        raise ValueError(f"`{stage}` has unknown compose terms {unknown}. Expected a subset of "
-                         f"{list(_COMPOSE_TERMS)}")
-    for a, b in (("qw1", "qw2"), ("kw1", "kw2")):
-        present = [n for n in (a, b) if n in terms]
-        if len(present) == 1:
-            raise ValueError(f"`{stage}` must have both '{a}' and '{b}' or neither. "
-                             f"Received: {present}")
-
-    def check(name, expected, letters, free=()):
-        shape = _shape(terms[name])
-        if not _fits(shape, expected):
-            raise ValueError(f"`{label(name)}` must have shape {letters} = "
-                             f"{_fmt(expected, free)}. Received: {label(name)}.shape={shape}")
-
-    for side, L in (("q", T), ("k", S)):
-        letter = "T" if side == "q" else "S"
-        if side + "w1" in terms:
-            check(side + "w1", (B, L, G, None, M), f"(B, {letter}, G, R, M)", {3: "R"})
-            R = _shape(terms[side + "w1"])[3]
-            check(side + "w2", (B, L, G, R, M), f"(B, {letter}, G, R, M)",
-                  {3: "R"} if R is None else ())
-        if side + "dd" in terms:
-            check(side + "dd", (B, L, G, M), f"(B, {letter}, G, M)")
-    if "static" in terms:
-        check("static", (G, M, M), "(G, M, M)")
-
-
-def _check_mask(attention_mask, B, T, S):
-    """Refuse float masks and masks that do not broadcast to (B, T, S)."""
-    if attention_mask is None:
-        return
-    dtype = keras.backend.standardize_dtype(attention_mask.dtype)
-    if dtype != "bool" and not dtype.startswith(("int", "uint")):
-        raise TypeError("`attention_mask` must be boolean (True = attend) or integer (1 = "
-                        f"attend). Received: attention_mask.dtype={dtype}")
-    shape = _shape(attention_mask)
-    if len(shape) == 4 and shape[1] not in (1, None):
-        raise ValueError("A rank-4 `attention_mask` must have a head axis of size 1 (the mask "
-                         f"is shared by all heads). Received: attention_mask.shape={shape}")
-    core = shape[:1] + shape[2:] if len(shape) == 4 else shape
-    if len(core) > 3 or not all(a in (1, None) or b is None or a == b
-                                 for a, b in zip(core[::-1], (S, T, B))):
-        raise ValueError(f"`attention_mask` must broadcast to (B, T, S) = {(B, T, S)}. "
-                         f"Received: attention_mask.shape={shape}")
-
-
-def _check_qkv(q, k, v):
-    for name, x, letters in (("q", q, "(B, T, N, d)"), ("k", k, "(B, S, N_kv, d)"),
-                             ("v", v, "(B, S, N_kv, d_v)")):
-        if len(x.shape) != 4:
-            raise ValueError(f"`{name}` must have rank 4 {letters}. "
-                             f"Received: {name}.shape={_shape(x)}")
-    qs, ks, vs = _shape(q), _shape(k), _shape(v)
-    if not _fits(qs[3:], ks[3:]):
-        raise ValueError("`q` and `k` must have the same head size d. "
-                         f"Received: q.shape={qs}, k.shape={ks}")
-    if not _fits(ks[:3], vs[:3]):
-        raise ValueError("`k` and `v` must have the same batch, length and heads (B, S, N_kv). "
-                         f"Received: k.shape={ks}, v.shape={vs}")
-    if not _fits(qs[:1], ks[:1]):
-        raise ValueError("`q` and `k` must have the same batch size. "
-                         f"Received: q.shape={qs}, k.shape={ks}")
-    if None not in (qs[2], ks[2]) and qs[2] % ks[2]:
-        raise ValueError(f"The heads of `q` (N={qs[2]}) must be a multiple of the heads of `k` "
-                         f"(N_kv={ks[2]}). Received: q.shape={qs}, k.shape={ks}")
+    return dcall._fits(shape, expected)
 
 
 # ---------------------------------------------------------------------------
@@ -255,26 +159,8 @@ def _check_dynamic_args(x, dw1, qkw, dd, slots, rank):
                              f"Received: dd.shape={shape}")
 
 
-def stage_terms(stage, query_dynamic=None, key_dynamic=None, static=None):
-    """The ``compose`` keyword arguments of one stage ("pre" or "post").
-
-    query_dynamic / key_dynamic: ``{slot: {...}}`` as returned by
-    ``dynamic_weights`` (slots ``<stage>_query`` / ``<stage>_key`` are read).
-    """
-    kw = {}
-    q = (query_dynamic or {}).get(stage + "_query", {})
-    k = (key_dynamic or {}).get(stage + "_key", {})
-    if "w1" in q:
-        kw.update(qw1=q["w1"], qw2=q["w2"])
-    if "dd" in q:
-        kw["qdd"] = q["dd"]
-    if "w1" in k:
-        kw.update(kw1=k["w1"], kw2=k["w2"])
-    if "dd" in k:
-        kw["kdd"] = k["dd"]
-    if static is not None:
-        kw["static"] = static
-    return kw
+#: The ``compose`` keyword arguments of one stage (``dcmha.spec.terms.stage_terms``).
+stage_terms = spec_terms.stage_terms
 
 
 # ---------------------------------------------------------------------------
@@ -349,9 +235,9 @@ def compose(a, num_groups, *, qw1=None, qw2=None, kw1=None, kw2=None, qdd=None, 
                                     static=static).items() if v is not None}
     if len(a.shape) != 4:
         raise ValueError(f"`a` must have rank 4 (B, N, T, S). Received: a.shape={_shape(a)}")
-    _check_groups(num_groups, a.shape[1])
+    dcall._check_groups(num_groups, a.shape[1])
     G = num_groups
-    _check_terms("", terms, a.shape[0], a.shape[2], a.shape[3], G,
+    dcall.check_terms("", terms, a.shape[0], a.shape[2], a.shape[3], G,
                  None if a.shape[1] is None else a.shape[1] // G)
     terms = {n: ops.cast(v, "float32") for n, v in terms.items()}
     a = ops.cast(a, "float32")
@@ -367,9 +253,10 @@ def compose(a, num_groups, *, qw1=None, qw2=None, kw1=None, kw2=None, qdd=None, 
 # Masks
 # ---------------------------------------------------------------------------
 
-def _block_mask(attention_mask, t0, t1, s0, s1, *, use_causal_mask, sliding_window,
+def block_mask(attention_mask, t0, t1, s0, s1, *, use_causal_mask, sliding_window,
                 query_offset):
-    """The boolean mask of queries [t0, t1) x keys [s0, s1): (B or 1, t, s), or None.
+    """The boolean mask of queries [t0, t1) x keys [s0, s1): (B or 1, t, s), or
+    (B or 1, N, t, s) with a per-head ``attention_mask``, or None.
 
     Query t sits at absolute position ``query_offset + t``, key s at s.
     """
@@ -385,29 +272,47 @@ def _block_mask(attention_mask, t0, t1, s0, s1, *, use_causal_mask, sliding_wind
         mask = mask[None]
     if attention_mask is not None:
         m = _slice_mask(attention_mask, t0, t1, s0, s1)
+        if mask is not None and len(m.shape) == 4:
+            mask = mask[:, None]
         mask = m if mask is None else ops.logical_and(mask, m)
     return mask
 
 
 def _slice_mask(m, t0, t1, s0, s1):
-    """m[:, t0:t1, s0:s1], leaving broadcast (size-1) axes whole."""
-    if m.shape[1] != 1:
-        m = m[:, t0:t1]
-    if m.shape[2] != 1:
-        m = m[:, :, s0:s1]
+    """m[..., t0:t1, s0:s1] (queries and keys are the last two axes), leaving broadcast
+    (size-1) axes whole."""
+    if m.shape[-2] != 1:
+        m = m[..., t0:t1, :]
+    if m.shape[-1] != 1:
+        m = m[..., s0:s1]
     return m
 
 
-def _standardize_mask(attention_mask):
-    """Boolean rank-3 (B|1, T|1, S|1) mask, or None."""
+def standardize_mask(attention_mask):
+    """Boolean rank-3 (B|1, T|1, S|1) mask, rank-4 (B|1, N, T|1, S|1) for a per-head
+    mask, or None."""
     if attention_mask is None:
         return None
     m = ops.cast(attention_mask, "bool")             # integer masks: nonzero = attend
     while len(m.shape) < 3:
         m = m[None]
-    if len(m.shape) == 4:   # (B, 1, T, S): Keras accepts a broadcast head axis
+    if len(m.shape) == 4 and m.shape[1] == 1:   # (B, 1, T, S): a broadcast head axis
         m = m[:, 0]
     return m
+
+
+def _mask5(mask, G):
+    """A block mask in the query-major layout (B|1, t, 1|G, 1|M, s) of ``_attend_block``."""
+    if len(mask.shape) == 3:                                     # (B|1, t, s)
+        return mask[:, :, None, None, :]
+    b, N, t, s = mask.shape                                      # (B|1, N, t, s)
+    return ops.transpose(ops.reshape(mask, (b, G, N // G, t, s)), (0, 3, 1, 2, 4))
+
+
+def _visible_rows(mask):
+    """(B|1, t, 1|N): 1.0 where a query sees at least one key (per head for a rank-4 mask)."""
+    row = ops.cast(ops.any(mask, axis=-1), "float32")
+    return row[:, :, None] if len(row.shape) == 2 else ops.transpose(row, (0, 2, 1))
 
 
 # ---------------------------------------------------------------------------
@@ -421,7 +326,7 @@ def _attend_block(qh, kt, vt, pre, post, mask, *, num_groups, dropout_rate, seed
     qh: (B, N_kv, t, rep, d) pre-scaled queries (head n = kv * rep + r reads kv
     head n // rep, so GQA never repeats k or v); kt: (B, N_kv, d, s);
     vt: (B, N_kv, s, d_v); pre / post: (wq, wk) from ``compose_matrices``
-    sliced to the block, or None; mask: (B|1, t, s) or None.
+    sliced to the block, or None; mask: (B|1, t, s), (B|1, N, t, s) per head, or None.
     Returns (o (B, t, N, d_v), extras) with extras["attention_scores"] etc. in
     (B, G, M, t, s) when asked for.
     """
@@ -440,7 +345,7 @@ def _attend_block(qh, kt, vt, pre, post, mask, *, num_groups, dropout_rate, seed
         x = _compose_qm(x, *pre)
     if want_intermediates:
         extras["pre_composed"] = to5(x)
-    m5 = None if mask is None else mask[:, :, None, None, :]           # (B|1, t, 1, 1, s)
+    m5 = None if mask is None else _mask5(mask, G)                     # (B|1, t, ., ., s)
     if m5 is not None:
         x = ops.where(m5, x, _MASKED)
     # A single visible key (e.g. the first causal chunk of size 1): softmax is 1.
@@ -462,23 +367,17 @@ def _attend_block(qh, kt, vt, pre, post, mask, *, num_groups, dropout_rate, seed
     o = ops.reshape(ops.matmul(pv, vt), (B, N_kv, t, rep, d_v))
     o = ops.reshape(ops.transpose(o, (0, 2, 1, 3, 4)), (B, t, N, d_v))
     if mask is not None and rows_may_be_empty:
-        row = ops.cast(ops.any(mask, axis=-1), "float32")            # (B|1, t)
-        o = o * row[:, :, None, None]
+        o = o * _visible_rows(mask)[..., None]                       # (B|1, t, 1|N, 1)
     return o, extras
 
 
-def _key_range(t0, t1, S, *, use_causal_mask, sliding_window, query_offset):
-    """Keys [s0, s1) that queries [t0, t1) can see, from static knowledge only."""
+def key_range(t0, t1, S, *, use_causal_mask, sliding_window, query_offset):
+    """Keys [s0, s1) that queries [t0, t1) can see, from static knowledge only
+    (``dcmha.spec.terms.key_range``; all keys when the offset is a tensor)."""
     if not isinstance(query_offset, int):
         return 0, S
-    s0, s1 = 0, S
-    if use_causal_mask:
-        s1 = min(S, t1 - 1 + query_offset + 1)
-    if sliding_window is not None:
-        s0 = max(0, t0 + query_offset - sliding_window + 1)
-        if not use_causal_mask:
-            s1 = min(S, t1 - 1 + query_offset + sliding_window)
-    return s0, s1
+    return spec_terms.key_range(t0, t1, S, causal=bool(use_causal_mask), window=sliding_window,
+                                offset=query_offset)
 
 
 def _on_cpu():
@@ -514,14 +413,14 @@ def auto_query_chunk_size(batch, num_heads, key_length, query_length, block_byte
     return chunk if chunk < query_length else None
 
 
-def _split(x, bounds, axis=1):
+def split_blocks(x, bounds, axis=1):
     """Pieces of x along ``axis`` at ``bounds`` [(start, stop), ...] (one op)."""
     if len(bounds) == 1:
         return [x]
     return ops.split(x, [b[0] for b in bounds[1:]], axis=axis)
 
 
-def _join(parts, axis=1):
+def join_blocks(parts, axis=1):
     return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=axis)
 
 
@@ -539,7 +438,7 @@ def _attention_looped(q, k, v, mask, pre, post, *, num_groups, chunk, use_causal
     """``_attention_ops`` for many chunks: spans of chunks looped with ``ops.map``.
 
     q: (B, T, N, d) pre-scaled, k: (B, S, N_kv, d), v: (B, S, N_kv, d_v) float32;
-    mask: standardized (B|1, T|1, S|1) or None. Returns o (B, T, N, d_v). No
+    mask: standardized (``standardize_mask``) or None. Returns o (B, T, N, d_v). No
     dropout and no (B, N, T, S) extras (the caller checks).
     """
     B, T, N, d = ops.shape(q)
@@ -574,18 +473,18 @@ def _attention_looped(q, k, v, mask, pre, post, *, num_groups, chunk, use_causal
 
     outs = []
     for t0, t1 in spans:
-        s0, s1 = _key_range(t0, t1, S, use_causal_mask=use_causal_mask,
+        s0, s1 = key_range(t0, t1, S, use_causal_mask=use_causal_mask,
                             sliding_window=sliding_window, query_offset=query_offset)
         if s1 <= s0:
             outs.append(ops.zeros((B, t1 - t0, N, d_v), "float32"))
             continue
         n = (t1 - t0) // chunk if (t1 - t0) % chunk == 0 else 1
-        blk_mask = _block_mask(mask, t0, t1, s0, s1, use_causal_mask=use_causal_mask,
+        blk_mask = block_mask(mask, t0, t1, s0, s1, use_causal_mask=use_causal_mask,
                                sliding_window=sliding_window, query_offset=query_offset)
         k_blk, v_blk = cut(kt, s0, s1, 3), cut(vt, s0, s1, 2)
         xs, shared = {"q": chunked(qh, t0, t1, n, 2)}, {"mask": None}
-        if blk_mask is not None and blk_mask.shape[1] != 1:
-            xs["mask"] = chunked(blk_mask, 0, t1 - t0, n, 1)
+        if blk_mask is not None and blk_mask.shape[-2] != 1:
+            xs["mask"] = chunked(blk_mask, 0, t1 - t0, n, len(blk_mask.shape) - 2)
         else:
             shared["mask"] = blk_mask
         for name, (wq, wk) in stages.items():
@@ -609,7 +508,7 @@ def _attention_looped(q, k, v, mask, pre, post, *, num_groups, chunk, use_causal
         else:
             o = ops.map(body, xs)                              # (n, B, chunk, N, d_v)
             outs.append(ops.reshape(ops.moveaxis(o, 0, 1), (B, t1 - t0, N, d_v)))
-    return _join(outs)
+    return join_blocks(outs)
 
 
 def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask,
@@ -628,7 +527,7 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
     B, T, N, _ = ops.shape(q)
     S = ops.shape(k)[1]
     G, M, d_v = num_groups, N // num_groups, v.shape[-1]
-    mask = _standardize_mask(attention_mask)
+    mask = standardize_mask(attention_mask)
     static_T = isinstance(T, int) and isinstance(S, int)
     chunk = query_chunk_size
     if chunk is None and auto_chunk and static_T and not return_intermediates:
@@ -653,13 +552,13 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
 
     # Head-major copies, made once: each block is then two plain batched matmuls.
     N_kv = k.shape[2]
-    q_parts = _split(ops.transpose(ops.reshape(q, (B, T, N_kv, N // N_kv, q.shape[-1])),
+    q_parts = split_blocks(ops.transpose(ops.reshape(q, (B, T, N_kv, N // N_kv, q.shape[-1])),
                                    (0, 2, 1, 3, 4)), q_bounds, axis=2)
-    k_parts = _split(ops.transpose(k, (0, 2, 3, 1)), k_bounds, axis=3)   # (B, N_kv, d, S)
-    v_parts = _split(ops.transpose(v, (0, 2, 1, 3)), k_bounds, axis=2)   # (B, N_kv, S, d_v)
+    k_parts = split_blocks(ops.transpose(k, (0, 2, 3, 1)), k_bounds, axis=3)   # (B, N_kv, d, S)
+    v_parts = split_blocks(ops.transpose(v, (0, 2, 1, 3)), k_bounds, axis=2)   # (B, N_kv, S, d_v)
     full_mask = None
     if len(q_bounds) > 1 and T * S <= 2 ** 24:      # one mask, sliced per block
-        full_mask = _block_mask(mask, 0, T, 0, S, use_causal_mask=use_causal_mask,
+        full_mask = block_mask(mask, 0, T, 0, S, use_causal_mask=use_causal_mask,
                                 sliding_window=sliding_window, query_offset=query_offset)
     # The composition matrices are built once for all positions and split
     # like q and k, so the chunk loop holds only the big per-block work.
@@ -668,14 +567,14 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
         if terms:
             wq, wk = compose_matrices(terms, M)
             per_query = wq is not None and len(wq.shape) == 5
-            stages[name] = (_split(wq, q_bounds) if per_query else [wq] * len(q_bounds),
-                            None if wk is None else _split(wk, k_bounds))
+            stages[name] = (split_blocks(wq, q_bounds) if per_query else [wq] * len(q_bounds),
+                            None if wk is None else split_blocks(wk, k_bounds))
 
     outs, extras = [], []
     for i, (t0, t1) in enumerate(q_bounds):
         j0, j1 = 0, len(k_bounds)
         if len(k_bounds) > 1:
-            s0, s1 = _key_range(t0, t1, S, use_causal_mask=use_causal_mask,
+            s0, s1 = key_range(t0, t1, S, use_causal_mask=use_causal_mask,
                                 sliding_window=sliding_window, query_offset=query_offset)
             j0, j1 = s0 // chunk, -(-s1 // chunk)
         if j1 <= j0:                                # every key of the chunk is masked
@@ -686,12 +585,12 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
         if full_mask is not None:
             blk_mask = _slice_mask(full_mask, t0, t1, s0, s1)
         else:
-            blk_mask = _block_mask(mask, t0, t1, s0, s1, use_causal_mask=use_causal_mask,
+            blk_mask = block_mask(mask, t0, t1, s0, s1, use_causal_mask=use_causal_mask,
                                    sliding_window=sliding_window, query_offset=query_offset)
-        blk = {name: (wq[i], None if wk is None else _join(wk[j0:j1]))
+        blk = {name: (wq[i], None if wk is None else join_blocks(wk[j0:j1]))
                for name, (wq, wk) in stages.items()}
         o, ex = _attend_block(
-            q_parts[i], _join(k_parts[j0:j1], 3), _join(v_parts[j0:j1], 2), blk.get("pre"),
+            q_parts[i], join_blocks(k_parts[j0:j1], 3), join_blocks(v_parts[j0:j1], 2), blk.get("pre"),
             blk.get("post"), blk_mask, num_groups=G, dropout_rate=dropout_rate, seed=seed,
             training=training, want_scores=return_attention_scores,
             want_intermediates=return_intermediates, rows_may_be_empty=rows_may_be_empty)
@@ -700,7 +599,7 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
             ex = {n: ops.pad(a, pad) for n, a in ex.items()}
         outs.append(o)
         extras.append(ex)
-    o = _join(outs)
+    o = join_blocks(outs)
     result = {}
     for name in wanted:
         a = extras[0][name] if len(extras) == 1 else ops.concatenate(
@@ -709,49 +608,20 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
     return o, result
 
 
-#: Attention cores by name. "ops" is the plain ``keras.ops`` core above.
-IMPLEMENTATIONS = {"ops": _attention_ops}
+def attention(call):
+    """The "ops" implementation: the plain core on a validated ``AttentionCall``."""
+    return _attention_ops(**call.arguments())
 
-#: Fast paths: name -> (the Keras backend it runs on, the module that holds it).
-#: dcmha_core never imports them at module import (dependencies point
-#: backends -> dcmha_core); the module is imported on first use. Each module
-#: defines
-#:
-#:   unsupported(call) -> None or a reason (str) why it cannot run this call;
-#:   preferred(call) -> bool, whether ``implementation="auto"`` should take it
-#:       for this call (e.g. Triton only for CUDA tensors);
-#:   attention(**call) -> (o, extras), the contract of ``_attention_ops``;
-#:
-#: where ``call`` is the dict of ``_attention_ops`` keyword arguments (q, k, v
-#: included).
-FAST_PATHS = {
-    "triton": ("torch", "dcmha.backends.triton.keras_core"),
-    "torch": ("torch", "dcmha.backends.torch_native.keras_core"),
-    "pallas": ("jax", "dcmha.backends.pallas.keras_core"),
-    "xla": ("tensorflow", "dcmha.backends.xla.keras_core"),
-    "jax_cpu": ("jax", "dcmha.backends.jax_cpu.keras_core"),
-    "tf_cpu": ("tensorflow", "dcmha.backends.tf_cpu.keras_core"),
-}
 
-#: The fast paths ``implementation="auto"`` tries, in order, per Keras backend;
-#: the first that supports and prefers the call wins, else "ops".
-AUTO_ORDER = {"torch": ("triton", "torch"), "jax": ("pallas", "jax_cpu"),
-              "tensorflow": ("tf_cpu", "xla")}
+#: The plain core's registration (entry point ``ops`` of ``dcmha.implementations``).
+IMPLEMENTATION = registry.Implementation(
+    name="ops", backend="any", module="dcmha.ops", devices=frozenset({"cpu", "gpu"}),
+    description="the plain keras.ops core (every backend, every capability)")
 
 
 def resolve_implementation(implementation):
-    """Validate an ``implementation`` name ("auto", "ops" or a fast path's)."""
-    known = ("auto",) + tuple(IMPLEMENTATIONS) + tuple(FAST_PATHS)
-    if not isinstance(implementation, str) or implementation not in known:
-        raise ValueError(
-            f"`implementation` must be one of {sorted(known)}. "
-            f"Received: implementation={implementation!r}")
-    return implementation
-
-
-def _fast_path(name):
-    import importlib
-    return importlib.import_module(FAST_PATHS[name][1])
+    """Validate an ``implementation`` name ("auto" or a registered one)."""
+    return registry.resolve(implementation)
 
 
 def core_result(result, return_attention_scores):
@@ -765,49 +635,15 @@ def core_result(result, return_attention_scores):
     return result, {}
 
 
-def _symbolic_torch(q):
-    """Torch "meta" tensors: Keras infers output shapes, which the plain core gives."""
-    return getattr(getattr(q, "device", None), "type", None) == "meta"
-
-
 def select_implementation(implementation, call):
-    """The core that runs ``call`` (a dict of ``_attention_ops`` arguments).
+    """(name, attention function) for ``call`` (see ``dcmha.registry.select``)."""
+    return registry.select(implementation, call)
 
-    Returns (name, function). "auto" takes the first fast path of the active
-    Keras backend that supports and prefers the call, else "ops"; a fast path
-    named explicitly must run here, or a ValueError says why not. A fast path's
-    ``attention`` is only called after its ``unsupported`` returned None here.
-    Shape inference on torch (meta tensors) always runs "ops".
-    """
-    resolve_implementation(implementation)
-    backend = keras.backend.backend()
-    if backend == "torch" and _symbolic_torch(call["q"]):
-        return "ops", IMPLEMENTATIONS["ops"]
-    if implementation == "auto":
-        for name in AUTO_ORDER.get(backend, ()):
-            try:
-                module = _fast_path(name)
-            except ImportError:
-                continue
-            if module.unsupported(call) is None and module.preferred(call):
-                return name, module.attention
-        return "ops", IMPLEMENTATIONS["ops"]
-    if implementation in IMPLEMENTATIONS:
-        return implementation, IMPLEMENTATIONS[implementation]
-    needs = FAST_PATHS[implementation][0]
-    if backend != needs:
-        raise ValueError(
-            f"`implementation={implementation!r}` runs on the {needs!r} Keras backend. "
-            f"Received: the active Keras backend is {backend!r}")
-    try:
-        module = _fast_path(implementation)
-    except ImportError as e:
-        raise ValueError(f"`implementation={implementation!r}` is not available here: "
-                         f"{e}") from None
-    reason = module.unsupported(call)
-    if reason is not None:
-        raise ValueError(f"`implementation={implementation!r}` cannot run this call: {reason}")
-    return implementation, module.attention
+
+def explain_implementation(q, k, v, **kwargs):
+    """[(name, reason)]: why ``implementation="auto"`` passes over each fast path for
+    this call (None for the one it takes); arguments as ``dcmha_attention``."""
+    return registry.explain(dcall.describe(q, k, v, **kwargs))
 
 
 def dcmha_attention(q, k, v, *, num_groups=1, pre=None, post=None, attention_mask=None,
@@ -825,7 +661,8 @@ def dcmha_attention(q, k, v, *, num_groups=1, pre=None, post=None, attention_mas
         pre, post: compose terms of each stage (see the module docstring), with
             query-side terms over T and key-side terms over S. None or {} skips
             the stage.
-        attention_mask: boolean, broadcastable to (B, T, S), True = attend.
+        attention_mask: boolean (True = attend) or integer (non-zero = attend),
+            broadcastable to (B, T, S), or (B, N, T, S) for one mask per head.
         use_causal_mask: keys s <= query_offset + t only.
         sliding_window: keys with |query_offset + t - s| < sliding_window only.
         query_offset: absolute position of query 0 (int or scalar tensor).
@@ -838,44 +675,27 @@ def dcmha_attention(q, k, v, *, num_groups=1, pre=None, post=None, attention_mas
             probabilities (B, N, T, S).
         return_intermediates: also return "scores", "pre_composed", "probs"
             (B, N, T, S) (for tests and conformance).
-        implementation: "auto", "ops" or a fast path of ``FAST_PATHS``
-            (see ``select_implementation``).
+        implementation: "auto" or a registered implementation's name
+            (``dcmha.registry``; see ``select_implementation``).
 
     Returns:
         o (B, T, N, d_v) float32, or (o, extras) when scores or intermediates are
         asked for (a dict with "attention_scores" and/or the intermediates).
     """
     resolve_implementation(implementation)
-    _check_qkv(q, k, v)
-    (B, T, N, _), S = _shape(q), k.shape[1]
-    _check_groups(num_groups, N)
-    if (isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float))
-            or not 0.0 <= dropout_rate < 1.0):
-        raise ValueError("`dropout_rate` must be a float in [0, 1). "
-                         f"Received: dropout_rate={dropout_rate!r}")
-    _check_positive_int("sliding_window", sliding_window, allow_none=True)
-    _check_positive_int("query_chunk_size", query_chunk_size, allow_none=True)
-    if not hasattr(query_offset, "shape") and (
-            isinstance(query_offset, bool) or not isinstance(query_offset, (int, np.integer))
-            or query_offset < 0):
-        raise ValueError("`query_offset` must be a non-negative integer. "
-                         f"Received: query_offset={query_offset!r}")
-    _check_mask(attention_mask, B, T, S)
-    for stage, terms in (("pre", pre), ("post", post)):
-        if terms:
-            _check_terms(stage, terms, B, T, S, num_groups,
-                         None if N is None else N // num_groups)
-    pre, post = ({n: ops.cast(w, "float32") for n, w in terms.items()} if terms else None
-                 for terms in (pre, post))
-    call = dict(q=q, k=k, v=v, num_groups=num_groups, pre=pre, post=post,
-                attention_mask=attention_mask, use_causal_mask=use_causal_mask,
-                sliding_window=sliding_window, query_offset=query_offset,
-                query_chunk_size=query_chunk_size, dropout_rate=dropout_rate, seed=seed,
-                training=training, return_attention_scores=return_attention_scores,
-                return_intermediates=return_intermediates,
-                auto_chunk=implementation == "auto")
+    call = dcall.describe(
+        q, k, v, num_groups=num_groups, pre=pre, post=post, attention_mask=attention_mask,
+        use_causal_mask=use_causal_mask, sliding_window=sliding_window,
+        query_offset=query_offset, query_chunk_size=query_chunk_size,
+        dropout_rate=dropout_rate, seed=seed, training=training,
+        return_attention_scores=return_attention_scores,
+        return_intermediates=return_intermediates, auto_chunk=implementation == "auto")
+    # Every implementation computes the composition in float32.
+    call = dataclasses.replace(call, **{
+        name: {n: ops.cast(w, "float32") for n, w in terms.items()}
+        for name, terms in call.stages.items()})
     _, core = select_implementation(implementation, call)
-    o, extras = core(**call)
+    o, extras = core(call)
     if return_attention_scores or return_intermediates:
         return o, extras
     return o

@@ -5,7 +5,7 @@ kernel (jax: through ``jax.ffi``; tensorflow: as TensorFlow ops). Forward and gr
 ``dcmha_attention`` (w.r.t. q, k, v and every compose term) against the float64 NumPy spec,
 with the conformance tolerance policy (``tests/kernel_cases.py``); the plain reference
 beside it against the spec too; then the Keras fast path ("jax_cpu" / "tf_cpu" in
-``dcmha.ops.FAST_PATHS``): its dispatch rules and ``DCMHA(implementation=...)`` against
+``dcmha.registry``): its dispatch rules and ``DCMHA(implementation=...)`` against
 ``implementation="ops"``.
 
 Runs with KERAS_BACKEND=jax or tensorflow (skipped on the others) and needs the compiled
@@ -27,7 +27,9 @@ if BACKEND not in ("jax", "tensorflow"):
 
 import kernel_cases  # noqa: E402
 from dcmha import DCMHA  # noqa: E402
+from dcmha import call as dcall  # noqa: E402
 from dcmha import ops as dops  # noqa: E402
+from dcmha import registry  # noqa: E402
 from kernel_cases import assert_close, make_problem, spec_result  # noqa: E402
 from keras import ops  # noqa: E402
 
@@ -155,36 +157,38 @@ def test_vectorised_kernel_sizes(N, G, R, S):
 # ---------------------------------------------------------------------------
 
 def _call(T, S, **extra):
-    """A ``dcmha.ops`` core call (zeros of the given sizes), with ``extra`` overriding."""
+    """A validated core call (zeros of the given sizes), with ``extra`` overriding."""
     k = ops.zeros((2, S, 4, 8))
-    call = dict(q=ops.zeros((2, T, 4, 8)), k=k, v=k, num_groups=1, pre={}, post={},
-                attention_mask=None, use_causal_mask=True, sliding_window=None, query_offset=0,
-                query_chunk_size=None, dropout_rate=0.0, seed=None, training=False,
-                return_attention_scores=False, return_intermediates=False, auto_chunk=True)
+    call = dict(q=ops.zeros((2, T, 4, 8)), k=k, v=k, num_groups=1, use_causal_mask=True)
     call.update(extra)
-    return call
+    q, k, v = call.pop("q"), call.pop("k"), call.pop("v")
+    return dcall.describe(q, k, v, **call)
 
 
 @needs_kernel
 def test_auto_dispatch_rules():
     assert dops.select_implementation("auto", _call(64, 128))[0] == PATH
     assert dops.select_implementation("auto", _call(16, 16))[0] == "ops"       # small
+    # What the registration declares it lacks: refused by dcmha.registry.
     for extra, reason in [
             (dict(return_attention_scores=True),
-             "return_attention_scores / return_intermediates are not supported (the "
-             "probabilities are never materialised)"),
+             "the call needs the attention scores (return_attention_scores=True), which it "
+             "does not return"),
             (dict(training=True, dropout_rate=0.1),
-             "dropout in training is not supported (use implementation='ops')"),
+             "the call needs attention dropout (dropout_rate=0.1 in training), which it does "
+             "not do"),
             (dict(query_offset=ops.convert_to_tensor(3, "int32")),
-             "query_offset must be a Python int"),
+             "the call needs a query_offset that is a tensor (e.g. a cache_update_index inside "
+             "a traced function), which it takes only as an int"),
+            # ... and what only the path's own module can tell.
             (dict(query_chunk_size=8, q=ops.zeros((2, 8 * 65, 4, 8))),
              "more than 64 query blocks (65); the 'ops' core loops over them")]:
         call = _call(64, 128, **extra)
-        assert keras_core.unsupported(call) == reason
         assert dops.select_implementation("auto", call)[0] == "ops"      # eager: no "xla"
         with pytest.raises(ValueError) as e:
             dops.select_implementation(PATH, call)
         assert str(e.value) == f"`implementation={PATH!r}` cannot run this call: {reason}"
+        assert (PATH, reason) in registry.explain(call)
 
 
 @needs_kernel

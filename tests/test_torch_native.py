@@ -367,33 +367,37 @@ def test_import_does_not_import_torch():
 # ---------------------------------------------------------------------------
 
 def _call(q, k, v, **over):
-    call = dict(q=q, k=k, v=v, num_groups=1, pre=None, post=None, attention_mask=None,
-                use_causal_mask=False, sliding_window=None, query_offset=0,
-                query_chunk_size=None, dropout_rate=0.0, seed=None, training=False,
-                return_attention_scores=False, return_intermediates=False, auto_chunk=True)
-    call.update(over)
-    return call
+    from dcmha import call as dcall
+    return dcall.describe(q, k, v, **over)
 
 
 def test_registry_contract():
     from dcmha import ops as dops
-    assert dops.FAST_PATHS["torch"] == ("torch", "dcmha.backends.torch_native.keras_core")
-    assert "torch" in dops.AUTO_ORDER["torch"]
+    from dcmha import registry
+    impl = registry.get("torch")
+    assert (impl.backend, impl.module) == ("torch", "dcmha.backends.torch_native.keras_core")
+    assert impl.auto_devices == {"cpu"} and impl.min_length_product == 64 * 128
     small = [torch.zeros(1, 8, 2, 4)] * 3
     big = [torch.zeros(1, 96, 2, 4)] * 3
     assert keras_core.unsupported(_call(*small)) is None
-    assert "return_intermediates" in keras_core.unsupported(
-        _call(*small, return_intermediates=True))
-    assert "dropout" in keras_core.unsupported(_call(*small, dropout_rate=0.1, training=True))
-    assert keras_core.unsupported(_call(*small, dropout_rate=0.1, training=False)) is None
+    # Declared capabilities: refused by the registry, with the reason.
+    for over, need in [(dict(return_intermediates=True), "intermediates"),
+                       (dict(dropout_rate=0.1, training=True), "dropout")]:
+        call = _call(*small, **over)
+        assert call.needs & impl.lacks == {need}
+        with pytest.raises(ValueError, match="^`implementation='torch'` cannot run this call: "
+                                             "the call needs "):
+            dops.select_implementation("torch", call)
+    assert _call(*small, dropout_rate=0.1, training=False).needs == frozenset()
     assert keras_core.unsupported(_call(*small, query_offset=torch.tensor(3))) is None
-    assert "query_offset" in keras_core.unsupported(_call(*small, query_offset=1.5))
-    assert not keras_core.preferred(_call(*small))                # T * S below the threshold
-    assert keras_core.preferred(_call(*big))
+    assert keras_core.unsupported(_call(*small, query_offset=torch.tensor(1.5))) == (
+        "query_offset must be an integer or an integer scalar tensor")
+    with pytest.raises(ValueError, match="^`query_offset` must be a non-negative integer"):
+        _call(*small, query_offset=1.5)
+    rows = registry.explain(_call(*small))               # T * S below the threshold
+    assert ("torch", "'auto' takes it from T * S >= 8192; this call has T * S = 64") in rows
     assert dops.select_implementation("auto", _call(*big))[0] in ("torch", "triton")
     assert dops.select_implementation("auto", _call(*small))[0] == "ops"
-    with pytest.raises(ValueError, match="cannot run this call: return_intermediates"):
-        dops.select_implementation("torch", _call(*small, return_intermediates=True))
 
 
 def test_core_matches_ops_core():

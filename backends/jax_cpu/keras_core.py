@@ -1,18 +1,14 @@
-"""The JAX CPU core as a fast path of ``dcmha.ops.dcmha_attention``.
+"""The JAX CPU core as the "jax_cpu" implementation (Keras jax backend).
 
-Registered in ``dcmha.ops.FAST_PATHS`` as "jax_cpu" (Keras jax backend); the
-module implements the registry's contract (``dcmha.backends.cpu_blocks`` holds
-the rules it shares with "tf_cpu"):
-
-* ``unsupported(call)``: None, or why this path cannot run ``call``: JAX
-  computes on an accelerator; ``return_attention_scores`` or
-  ``return_intermediates`` (never materialised); dropout in training; a
-  ``query_offset`` that is not a Python int; unknown shapes; the compiled
-  kernel is unavailable (no C / C++ compiler, ``DCMHA_CPU_KERNEL=0``); more than
-  ``cpu_blocks.MAX_BLOCKS`` query blocks (each is unrolled into the traced
-  program; longer sequences take the "ops" core's loops).
-* ``preferred(call)``: T * S >= ``cpu_blocks.MIN_PREFERRED_TS`` (8192).
-* ``attention(**call)``: the contract of ``dcmha.ops._attention_ops``.
+Registered as ``IMPLEMENTATION`` in ``dcmha.backends.jax_cpu`` (entry point
+``jax_cpu``), which declares the device (CPU), the size threshold of ``"auto"``
+and what it lacks (attention scores and intermediates, never materialised;
+dropout in training; per-head masks; a traced query offset; unknown shapes).
+``dcmha.backends.cpu_blocks`` holds the rules it shares with "tf_cpu":
+``unsupported(call)`` refuses more than ``cpu_blocks.MAX_BLOCKS`` query blocks
+(each is unrolled into the traced program; longer sequences take the "ops"
+core's loops) and an unavailable kernel (no C / C++ compiler,
+``DCMHA_CPU_KERNEL=0``), checked last since it builds the kernel.
 
 ``query_chunk_size``, when given, is the block size; otherwise
 ``dcmha.ops.auto_query_chunk_size`` chooses it (64 queries at B=2, N=8, S=1024).
@@ -22,20 +18,14 @@ from __future__ import annotations
 
 from .. import cpu_blocks
 
-preferred = cpu_blocks.preferred
-
 
 def unsupported(call):
     """None if this path can run ``call``, else the reason why not."""
-    import jax
-
     from . import dcmha_jax_cpu
-    if jax.default_backend() != "cpu":
-        return "JAX computes on an accelerator (this path is for CPU; see 'pallas')"
     return cpu_blocks.unsupported(call, dcmha_jax_cpu)
 
 
-def attention(q, k, v, **call):
-    """The contract of ``dcmha.ops._attention_ops`` (see the module doc)."""
+def attention(call):
+    """(o, {}) for a validated ``dcmha.call.AttentionCall`` (see the module doc)."""
     from . import dcmha_jax_cpu
-    return cpu_blocks.keras_attention(dcmha_jax_cpu, q, k, v, **call)
+    return cpu_blocks.keras_attention(dcmha_jax_cpu, call)

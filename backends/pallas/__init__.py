@@ -11,7 +11,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-__all__ = ["BlockSizes", "dcmha_attention", "dcmha_attention_reference", "is_available"]
+from dcmha.backends import lazy_attributes
+from dcmha.registry import Implementation
+
+__all__ = ["IMPLEMENTATION", "BlockSizes", "dcmha_attention", "dcmha_attention_reference", "is_available"]
 
 
 def is_available() -> bool:
@@ -28,8 +31,13 @@ def is_available() -> bool:
     return True
 
 
-def __getattr__(name):
-    if name in ("BlockSizes", "dcmha_attention", "dcmha_attention_reference"):
-        module = importlib.import_module(__name__ + ".dcmha_pallas")
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, "dcmha_pallas",
+                              ("BlockSizes", "dcmha_attention", "dcmha_attention_reference"))
+
+IMPLEMENTATION = Implementation(
+    name="pallas", backend="jax", module="dcmha.backends.pallas.keras_core",
+    devices=frozenset({"cpu", "gpu"}), auto_devices=frozenset({"gpu"}),
+    lacks=frozenset({"intermediates", "dropout", "head_masks", "traced_offset",
+                     "symbolic_shapes"}),
+    priority=20,
+    description="fused Pallas kernels with a custom_vjp (GPU; interpreted elsewhere)")

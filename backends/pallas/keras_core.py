@@ -1,19 +1,20 @@
 """The "pallas" fast path of ``dcmha.ops.dcmha_attention`` (Keras JAX backend).
 
-``dcmha.ops`` imports this module on first use (see ``dcmha.ops.FAST_PATHS``). It
-wraps the fused kernels ``dcmha.backends.pallas.dcmha_attention`` (a custom_vjp:
+Registered as ``IMPLEMENTATION`` in ``dcmha.backends.pallas`` (entry point
+``pallas``), imported by ``dcmha.registry`` on first use. It wraps the fused kernels ``dcmha.backends.pallas.dcmha_attention`` (a custom_vjp:
 forward and backward kernels) in the contract of the plain core
-``dcmha.ops._attention_ops``: ``attention(**call)`` takes the projected heads
+``dcmha.ops``: ``attention(call)`` takes the projected heads
 q (B, T, N, d), k (B, S, N_kv, d), v (B, S, N_kv, d_v) and the compose terms,
 and returns (o (B, T, N, d_v) float32, extras) with extras["attention_scores"]
 (B, N, T, S) when asked for, {} otherwise. Gradients flow through both.
 
 Rules:
 
-* ``unsupported(call)`` (a reason, or None): JAX without Pallas; dropout in
-  training; intermediates (``return_intermediates``); a ``query_offset`` that is
-  traced (e.g. a ``cache_update_index`` inside ``jax.jit``: the kernels take the
-  offset as a static int) or not an integer scalar.
+* Declared (the registration): no dropout in training, no intermediates, no
+  per-head masks, no traced ``query_offset`` (e.g. a ``cache_update_index`` inside
+  ``jax.jit``: the kernels take the offset as a static int).
+* ``unsupported(call)`` (a reason, or None): JAX without Pallas; a
+  ``query_offset`` that is not an integer scalar.
 * ``preferred(call)``: ``jax.default_backend() == "gpu"``, where the kernels
   compile through Triton, with a static ``query_offset`` (a Python int: a
   concrete array offset would compile new kernels for every value, e.g. at every
@@ -63,13 +64,7 @@ def unsupported(call):
     """Why the Pallas kernels cannot run ``call`` (a str), or None when they can."""
     from dcmha.backends import pallas as pb
 
-    if call.get("return_intermediates"):
-        return ("does not return intermediates (`return_intermediates=True`); use "
-                "implementation='ops'")
-    if call.get("training") and call.get("dropout_rate", 0.0) > 0.0:
-        return ("has no attention dropout: dropout_rate="
-                f"{call['dropout_rate']} with training=True; use implementation='ops'")
-    problem = _offset_problem(call.get("query_offset", 0))
+    problem = _offset_problem(call.query_offset)
     if problem is not None:
         return problem
     if not pb.is_available():
@@ -78,37 +73,30 @@ def unsupported(call):
 
 
 def preferred(call) -> bool:
-    """Whether ``implementation="auto"`` takes the kernels: on a GPU, with a static offset."""
-    import jax
+    """Whether ``implementation="auto"`` takes the kernels: on a GPU (declared), with a
+    static offset."""
+    return call.static_offset is not None
 
-    return jax.default_backend() == "gpu" and not hasattr(call.get("query_offset", 0), "shape")
 
+def attention(call):
+    """(o, extras) of the fused Pallas kernels for a validated ``AttentionCall``.
 
-def attention(q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask,
-              sliding_window, query_offset, query_chunk_size, dropout_rate, seed, training,
-              return_attention_scores, return_intermediates, auto_chunk):
-    """``_attention_ops`` on the fused Pallas kernels (see the module docstring).
-
-    q: (B, T, N, d), k: (B, S, N_kv, d), v: (B, S, N_kv, d_v); pre / post: dicts
-    of compose terms or None. Returns (o (B, T, N, d_v) float32, extras), extras
-    {"attention_scores": (B, N, T, S) float32} with ``return_attention_scores``,
-    else {}. ``query_chunk_size`` and ``auto_chunk`` are ignored: the kernels
-    tile queries and keys themselves.
+    Returns (o (B, T, N, d_v) float32, extras), extras {"attention_scores":
+    (B, N, T, S) float32} with ``return_attention_scores``, else {}.
+    ``query_chunk_size`` is ignored: the kernels tile queries and keys themselves.
     """
     import jax.numpy as jnp
 
     from dcmha import ops as dops
     from dcmha.backends import pallas as pb
 
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
-    stages = [None if not terms else {n: jnp.asarray(w, jnp.float32) for n, w in terms.items()}
-              for terms in (pre, post)]
-    B, T, S = q.shape[0], q.shape[1], k.shape[1]
-    mask = dops._standardize_mask(attention_mask)
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (call.q, call.k, call.v))
+    mask = dops.standardize_mask(call.attention_mask)
     if mask is not None:
-        mask = jnp.broadcast_to(jnp.asarray(mask, bool), (B, T, S))
+        mask = jnp.broadcast_to(jnp.asarray(mask, bool), (call.B, call.T, call.S))
     result = pb.dcmha_attention(
-        q, k, v, num_groups=num_groups, pre=stages[0], post=stages[1], mask=mask,
-        causal=bool(use_causal_mask), sliding_window=sliding_window,
-        query_offset=int(query_offset), return_attention_scores=bool(return_attention_scores))
-    return dops.core_result(result, return_attention_scores)
+        q, k, v, num_groups=call.num_groups, pre=call.pre, post=call.post, mask=mask,
+        causal=call.use_causal_mask, sliding_window=call.sliding_window,
+        query_offset=int(call.query_offset),
+        return_attention_scores=call.return_attention_scores)
+    return dops.core_result(result, call.return_attention_scores)

@@ -7,7 +7,10 @@ for the Keras fast path (``DCMHA(implementation="tf_cpu")``).
 
 import importlib.util
 
-__all__ = ["dcmha_attention", "dcmha_attention_reference", "is_available"]
+from dcmha.backends import CPU_MIN_LENGTH_PRODUCT, lazy_attributes
+from dcmha.registry import Implementation
+
+__all__ = ["IMPLEMENTATION", "dcmha_attention", "dcmha_attention_reference", "is_available"]
 
 
 def is_available() -> bool:
@@ -15,8 +18,13 @@ def is_available() -> bool:
     return importlib.util.find_spec("tensorflow") is not None
 
 
-def __getattr__(name):
-    if name in ("dcmha_attention", "dcmha_attention_reference"):
-        from . import dcmha_tf_cpu
-        return getattr(dcmha_tf_cpu, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, "dcmha_tf_cpu",
+                              ("dcmha_attention", "dcmha_attention_reference"))
+
+IMPLEMENTATION = Implementation(
+    name="tf_cpu", backend="tensorflow", module="dcmha.backends.tf_cpu.keras_core",
+    devices=frozenset({"cpu"}), auto_devices=frozenset({"cpu"}),
+    lacks=frozenset({"attention_scores", "intermediates", "dropout", "head_masks",
+                     "traced_offset", "symbolic_shapes"}),
+    priority=20, min_length_product=CPU_MIN_LENGTH_PRODUCT,
+    description="TensorFlow blocks whose composes run in the compiled C kernel (custom ops)")

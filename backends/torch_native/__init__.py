@@ -8,7 +8,10 @@ for the Keras fast path (``DCMHA(implementation="torch")``).
 
 import importlib.util
 
-__all__ = ["dcmha_attention", "dcmha_attention_reference", "default_block_q", "is_available"]
+from dcmha.backends import CPU_MIN_LENGTH_PRODUCT, lazy_attributes
+from dcmha.registry import Implementation
+
+__all__ = ["IMPLEMENTATION", "dcmha_attention", "dcmha_attention_reference", "default_block_q", "is_available"]
 
 
 def is_available() -> bool:
@@ -16,8 +19,13 @@ def is_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def __getattr__(name):
-    if name in ("dcmha_attention", "dcmha_attention_reference", "default_block_q"):
-        from . import dcmha_torch
-        return getattr(dcmha_torch, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, "dcmha_torch",
+                              ("dcmha_attention", "dcmha_attention_reference", "default_block_q"))
+
+IMPLEMENTATION = Implementation(
+    name="torch", backend="torch", module="dcmha.backends.torch_native.keras_core",
+    devices=frozenset({"cpu", "gpu"}), auto_devices=frozenset({"cpu"}),
+    lacks=frozenset({"intermediates", "dropout", "head_masks", "symbolic_shapes"}),
+    priority=10, min_length_product=CPU_MIN_LENGTH_PRODUCT,
+    description="blocked PyTorch autograd function with a recomputing backward; composes "
+                "in the compiled C kernel on CPU")

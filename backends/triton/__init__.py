@@ -8,7 +8,10 @@ Importing this package does not import Triton or PyTorch: the kernel module
 import importlib.util
 import os
 
-__all__ = ["BlockSizes", "dcmha_attention", "dcmha_attention_reference", "is_available"]
+from dcmha.backends import lazy_attributes
+from dcmha.registry import Implementation
+
+__all__ = ["IMPLEMENTATION", "BlockSizes", "dcmha_attention", "dcmha_attention_reference", "is_available"]
 
 
 def is_available(interpret=None) -> bool:
@@ -27,8 +30,12 @@ def is_available(interpret=None) -> bool:
     return torch.cuda.is_available()
 
 
-def __getattr__(name):
-    if name in ("BlockSizes", "dcmha_attention", "dcmha_attention_reference"):
-        from . import dcmha_triton
-        return getattr(dcmha_triton, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, "dcmha_triton",
+                              ("BlockSizes", "dcmha_attention", "dcmha_attention_reference"))
+
+IMPLEMENTATION = Implementation(
+    name="triton", backend="torch", module="dcmha.backends.triton.keras_core",
+    devices=frozenset({"gpu"}), auto_devices=frozenset({"gpu"}),
+    lacks=frozenset({"intermediates", "dropout", "head_masks", "symbolic_shapes"}),
+    priority=20, cpu_env={"TRITON_INTERPRET": "1"},
+    description="fused Triton kernels, forward and backward (CUDA; interpreted on CPU)")

@@ -5,8 +5,18 @@
 the API (the same shape of API as the Triton and Pallas kernels).
 """
 
+from dcmha.registry import Implementation
+
 from .dcmha_xla import (dcmha_attention, dcmha_attention_reference,
                         default_query_chunk_size, is_available)
 
-__all__ = ["dcmha_attention", "dcmha_attention_reference", "default_query_chunk_size",
+__all__ = ["IMPLEMENTATION", "dcmha_attention", "dcmha_attention_reference", "default_query_chunk_size",
            "is_available"]
+
+IMPLEMENTATION = Implementation(
+    name="xla", backend="tensorflow", module="dcmha.backends.xla.keras_core",
+    devices=frozenset({"cpu", "gpu"}), auto_devices=frozenset({"cpu", "gpu"}),
+    lacks=frozenset({"intermediates", "dropout", "head_masks", "traced_offset",
+                     "query_offset"}),
+    priority=10,
+    description="one query-chunked jit_compile=True TensorFlow function")

@@ -583,7 +583,7 @@ def _core(q, k, v, pre, post, mask, *, G, causal, window, scale, chunk, want_sco
 _COMPILED: Dict[tuple, object] = {}
 
 
-def _in_xla_context() -> bool:
+def in_xla_context() -> bool:
     """Whether we are being traced inside a tf.function(jit_compile=True)."""
     tf = _tf()
     if tf.executing_eagerly():
@@ -704,7 +704,7 @@ def dcmha_attention(q, k, v, *, num_groups, pre=None, post=None, mask=None, caus
     looped = chunk is not None and T is not None and -(-T // chunk) > MAX_GROUPS
     key = (num_groups, pre_names, post_names, mask is not None, bool(causal), sliding_window,
            scale, chunk, bool(return_attention_scores), looped)
-    if _in_xla_context():
+    if in_xla_context():
         # Already inside an XLA-compiled function (e.g. a jitted train step): trace the core
         # inline. Calling the nested jitted function instead would make its gradient pass
         # shape tensors across the call, and XLA would then fold the caller's arguments

@@ -1,21 +1,21 @@
 """The "xla" fast path of ``dcmha.ops.dcmha_attention`` (Keras TensorFlow backend).
 
-``dcmha.ops`` imports this module on first use (see ``dcmha.ops.FAST_PATHS``). It
-wraps ``dcmha.backends.xla.dcmha_attention`` (one ``tf.function(jit_compile=True)``
+Registered as ``IMPLEMENTATION`` in ``dcmha.backends.xla`` (entry point ``xla``),
+imported by ``dcmha.registry`` on first use. It wraps
+``dcmha.backends.xla.dcmha_attention`` (one ``tf.function(jit_compile=True)``
 per static configuration, traced inline inside a caller's XLA computation) in the
-contract of the plain core ``dcmha.ops._attention_ops``: ``attention(**call)``
+contract of the plain core: ``attention(call)``
 takes the projected heads q (B, T, N, d), k (B, S, N_kv, d), v (B, S, N_kv, d_v)
 and the compose terms, and returns (o (B, T, N, d_v) float32, extras) with
 extras["attention_scores"] (B, N, T, S) when asked for, {} otherwise.
 
 Rules:
 
-* ``unsupported(call)`` (a reason, or None): a ``query_offset`` that matters and
-  is not 0, i.e. a non-zero or tensor offset (decoding with a cache) together
-  with the causal mask or a sliding window (the XLA core puts query 0 at
-  position 0; without those masks the offset changes nothing); dropout in
-  training; intermediates (``return_intermediates``); head counts or head sizes
-  (the last two axes of q, k, v) unknown at trace time.
+* Declared (the registration): no non-zero or tensor ``query_offset`` (decoding
+  with a cache: the XLA core puts query 0 at position 0), no dropout in training,
+  no intermediates, no per-head masks.
+* ``unsupported(call)`` (a reason, or None): head counts or head sizes (the last
+  two axes of q, k, v) unknown at trace time.
 * ``preferred(call)``: True for every supported call made while TensorFlow
   traces a graph (inside a ``tf.function``, e.g. Keras ``fit`` / ``predict``,
   or inside an XLA-compiled function, where the core is traced inline into the
@@ -42,35 +42,13 @@ default, ``default_query_chunk_size``).
 from __future__ import annotations
 
 
-def _offset_problem(call):
-    """Why ``query_offset`` stops the XLA core (None: it does not)."""
-    offset = call.get("query_offset", 0)
-    if not (call.get("use_causal_mask") or call.get("sliding_window") is not None):
-        return None                  # the offset only moves the causal mask and the window
-    if hasattr(offset, "shape") or offset != 0:
-        return ("has no `query_offset` (decoding with a cache_update_index): its causal mask "
-                "and sliding window put query 0 at position 0; use implementation='ops'. "
-                f"Received: query_offset={offset!r}")
-    return None
-
-
 def unsupported(call):
     """Why the XLA core cannot run ``call`` (a str), or None when it can."""
-    if call.get("return_intermediates"):
-        return ("does not return intermediates (`return_intermediates=True`); use "
-                "implementation='ops'")
-    if call.get("training") and call.get("dropout_rate", 0.0) > 0.0:
-        return ("has no attention dropout: dropout_rate="
-                f"{call['dropout_rate']} with training=True; use implementation='ops'")
-    problem = _offset_problem(call)
-    if problem is not None:
-        return problem
-    q, k, v = call["q"], call["k"], call["v"]
-    static = tuple(q.shape)[2:] + tuple(k.shape)[2:] + tuple(v.shape)[2:]
+    static = (call.N, call.N_kv, call.d, call.d_v)
     if None in static:
         return ("needs static head counts and head sizes (the last two axes of q, k and v). "
-                f"Received: q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, "
-                f"v.shape={tuple(v.shape)}")
+                f"Received: q.shape={tuple(call.q.shape)}, k.shape={tuple(call.k.shape)}, "
+                f"v.shape={tuple(call.v.shape)}")
     return None
 
 
@@ -85,28 +63,22 @@ def preferred(call) -> bool:
     return not tf.executing_eagerly()
 
 
-def attention(q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask,
-              sliding_window, query_offset, query_chunk_size, dropout_rate, seed, training,
-              return_attention_scores, return_intermediates, auto_chunk):
-    """``_attention_ops`` on the XLA-compiled core (see the module docstring).
+def attention(call):
+    """(o, extras) of the XLA-compiled core for a validated ``AttentionCall``.
 
-    q: (B, T, N, d), k: (B, S, N_kv, d), v: (B, S, N_kv, d_v); pre / post: dicts
-    of compose terms or None. Returns (o (B, T, N, d_v) float32, extras), extras
-    {"attention_scores": (B, N, T, S) float32} with ``return_attention_scores``,
-    else {}. ``auto_chunk`` is ignored: with ``query_chunk_size`` None the core
-    picks its own chunk size.
+    Returns (o (B, T, N, d_v) float32, extras), extras {"attention_scores":
+    (B, N, T, S) float32} with ``return_attention_scores``, else {}. With
+    ``query_chunk_size`` None the core picks its own chunk size.
     """
     from keras import ops
 
     from dcmha import ops as dops
     from dcmha.backends import xla
 
-    q, k, v = (ops.cast(x, "float32") for x in (q, k, v))
-    stages = [None if not terms else {n: ops.cast(w, "float32") for n, w in terms.items()}
-              for terms in (pre, post)]
+    q, k, v = (ops.cast(x, "float32") for x in (call.q, call.k, call.v))
     result = xla.dcmha_attention(
-        q, k, v, num_groups=num_groups, pre=stages[0], post=stages[1],
-        mask=dops._standardize_mask(attention_mask), causal=bool(use_causal_mask),
-        sliding_window=sliding_window, query_chunk_size=query_chunk_size,
-        return_attention_scores=bool(return_attention_scores))
-    return dops.core_result(result, return_attention_scores)
+        q, k, v, num_groups=call.num_groups, pre=call.pre, post=call.post,
+        mask=dops.standardize_mask(call.attention_mask), causal=call.use_causal_mask,
+        sliding_window=call.sliding_window, query_chunk_size=call.query_chunk_size,
+        return_attention_scores=call.return_attention_scores)
+    return dops.core_result(result, call.return_attention_scores)
