@@ -3,7 +3,8 @@ its composes run by the compiled C kernel of ``dcmha.backends.cpu_kernel`` throu
 FFI (``jax.ffi``), as a ``jax.custom_vjp`` whose backward is the kernel's backward.
 
 ``load()`` builds the kernel with its FFI handlers on first use (C and C++ compilers needed;
-cached) and registers them as ``jax.ffi`` targets. ``dcmha_attention`` is the fast function,
+cached and verified as ``cpu_kernel`` describes, keyed by jaxlib's version) and registers
+them as ``jax.ffi`` targets. ``dcmha_attention`` is the fast function,
 ``dcmha_attention_reference`` the plain one beside it (``cpu_blocks.reference``: no blocks,
 no kernel). Both run on the Keras jax backend (they are written in ``keras.ops``).
 """
@@ -16,6 +17,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 
 from .. import cpu_blocks, cpu_kernel
 
@@ -24,9 +26,14 @@ __all__ = ["dcmha_attention", "dcmha_attention_reference", "load", "unavailable_
 _FORWARD, _BACKWARD = "dcmha_compose_forward", "dcmha_compose_backward"
 
 
+def _recipe():
+    """The FFI library's recipe: its cache key carries jaxlib's version and FFI headers."""
+    return cpu_kernel.ffi_recipe(jax.ffi.include_dir(), jaxlib.__version__)
+
+
 def _build():
     """(True, None) once the FFI kernel is built and registered, else (None, reason)."""
-    lib, reason = cpu_kernel.build_ffi_library(jax.ffi.include_dir())
+    lib, reason = cpu_kernel.build_library(_recipe())
     if lib is None:
         return None, reason
     try:
@@ -35,7 +42,7 @@ def _build():
         jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(lib.DcmhaComposeBackward),
                                     platform="cpu")
     except Exception as e:      # noqa: BLE001 - any registration failure
-        return None, f"registering the FFI targets failed: {e}"
+        return cpu_kernel.fallback("compose_xla_ffi", f"registering the FFI targets failed: {e}")
     return True, None
 
 
@@ -45,7 +52,7 @@ def _build():
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _compose(x, wq, kw1, kw2, kdd, flags):
-    """Compose of a block x (B, G, M, t, s); terms as in ``cpu_kernel._FFI_SOURCE``."""
+    """Compose of a block x (B, G, M, t, s); terms as in ``csrc/compose_wrap.h``."""
     return jax.ffi.ffi_call(_FORWARD, jax.ShapeDtypeStruct(x.shape, jnp.float32),
                             vmap_method="sequential")(x, wq, kw1, kw2, kdd,
                                                       flags=np.int64(flags))

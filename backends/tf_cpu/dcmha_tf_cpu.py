@@ -4,7 +4,8 @@ TensorFlow ops, ``DcmhaComposeForward`` and ``DcmhaComposeBackward`` (its regist
 gradient).
 
 ``load()`` builds the op library on first use (C and C++ compilers and TensorFlow's headers,
-``tf.sysconfig``; cached) and loads it with ``tf.load_op_library``. The ops run eagerly and
+``tf.sysconfig``; cached and verified as ``cpu_kernel`` describes, keyed by TensorFlow's
+version) and loads it with ``tf.load_op_library``. The ops run eagerly and
 inside ``tf.function`` graphs, not inside XLA clusters (``jit_compile=True``): there the
 "xla" path runs. ``dcmha_attention`` is the fast function, ``dcmha_attention_reference`` the
 plain one beside it (``cpu_blocks.reference``). Both run on the Keras tensorflow backend
@@ -13,6 +14,8 @@ plain one beside it (``cpu_blocks.reference``). Both run on the Keras tensorflow
 
 from __future__ import annotations
 
+import ctypes
+
 import tensorflow as tf
 
 from .. import cpu_blocks, cpu_kernel
@@ -20,16 +23,27 @@ from .. import cpu_blocks, cpu_kernel
 __all__ = ["dcmha_attention", "dcmha_attention_reference", "load", "unavailable_reason"]
 
 
+def _recipe():
+    """The op library's recipe: its cache key carries TensorFlow's version and flags."""
+    return cpu_kernel.tf_recipe(tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags(),
+                                tf.__version__)
+
+
 def _build():
     """(the loaded op module, None), or (None, reason)."""
-    path, reason = cpu_kernel.build_tf_library(tf.sysconfig.get_compile_flags(),
-                                               tf.sysconfig.get_link_flags())
+    recipe = _recipe()
+    path, reason = cpu_kernel.build_library(recipe, load=False)   # verified, not yet opened
     if path is None:
         return None, reason
     try:
         module = tf.load_op_library(path)
     except Exception as e:      # noqa: BLE001 - any loading failure
-        return None, f"loading the TensorFlow ops failed: {e}"
+        return cpu_kernel.fallback(recipe.tag, f"loading the TensorFlow ops failed: {e}")
+    # Opened by TensorFlow first (it registers the ops while loading); the symbols and the
+    # Args layout are checked before any op runs.
+    reason = cpu_kernel.check_library(ctypes.CDLL(path), recipe)
+    if reason is not None:
+        return cpu_kernel.fallback(recipe.tag, reason)
 
     @tf.RegisterGradient("DcmhaComposeForward")
     def _compose_grad(op, g):
@@ -40,7 +54,7 @@ def _build():
 
 def _compose_with(module):
     def compose(x, wq, kw1, kw2, kdd, flags):
-        """Compose of a block x (B, G, M, t, s); terms as in ``cpu_kernel._CXX_COMMON``."""
+        """Compose of a block x (B, G, M, t, s); terms as in ``csrc/compose_wrap.h``."""
         return module.dcmha_compose_forward(x, wq, kw1, kw2, kdd, flags=flags)
     return compose
 

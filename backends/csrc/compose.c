@@ -1,0 +1,376 @@
+/* The dcmha compose kernel (CPU, float32): one score block's compose, and its backward, in
+   one pass over the block. See dcmha/backends/cpu_kernel.py for what it computes and how it
+   is built and loaded, and dcmha_args.h for its argument block.
+
+   Per (batch, query row, group) the forward loads the M heads' values at VL keys at a time
+   (one AVX-512 register each), applies every term in registers (residual, static and
+   query-side terms as the per-query M x M matrix wq; key-side rank-R terms; key-side
+   gating) and writes the result once. The backward recomputes the key-side hidden values and
+   accumulates every term gradient in the same pass. (M, R) with M in 1, 2, 4, 8, 16 and R in
+   1, 2, 4 are compiled with M and R fixed; other sizes, and the last s % VL keys, run
+   generic loops.
+
+   Compiles on its own: cc -O3 -march=native -fopenmp-simd -std=c11 -shared -fPIC compose.c */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dcmha_args.h"
+
+/* Keys per chunk of the generic loops (the chunk of M rows stays in L1). */
+#define CH 64
+
+DCMHA_DEFINE_ARGS_LAYOUT(dcmha_args_layout, dcmha_args_names)
+
+/* The key-side terms (and their gradients) of batch b, group gi; NULL where absent. */
+#define KEY_SIDE(b, gi)                                                                  \
+    const float *k1 = a->kw1 ? a->kw1 + (b) * a->kw_b + (gi) * a->kw_g : 0;               \
+    const float *k2 = a->kw2 ? a->kw2 + (b) * a->kw_b + (gi) * a->kw_g : 0;               \
+    const float *kd = a->kdd ? a->kdd + (b) * a->kd_b + (gi) * a->kd_g : 0;
+#define KEY_SIDE_GRADS(b, gi)                                                            \
+    float *dk1 = a->kw1 ? a->dkw1 + (b) * a->dkw_b + (gi) * a->dkw_g : 0;                 \
+    float *dk2 = a->kw1 ? a->dkw2 + (b) * a->dkw_b + (gi) * a->dkw_g : 0;                 \
+    float *dkd = a->kdd ? a->dkdd + (b) * a->dkd_b + (gi) * a->dkd_g : 0;
+
+/* h[r, j] = sum_m x[m, j] kw1[r, m, j] for one row (j < nj). */
+static void hidden(const Args *a, const float *xr, int64_t xs, const float *k1,
+                   int64_t j0, int64_t nj, float *h) {
+    for (int64_t r = 0; r < a->R; r++) {
+        float *hr = h + r * CH;
+        const float *kr = k1 + r * a->kw_r + j0;
+        const float *x0 = xr + j0;
+        for (int64_t j = 0; j < nj; j++) hr[j] = x0[j] * kr[j];
+        for (int64_t m = 1; m < a->M; m++) {
+            const float *xm = xr + m * xs + j0, *km = kr + m * a->kw_m;
+            for (int64_t j = 0; j < nj; j++) hr[j] += xm[j] * km[j];
+        }
+    }
+}
+
+static int forward_generic(const Args *a, int64_t js) {
+    const int64_t M = a->M, R = a->R, s = a->s;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(M + R) * CH);
+    if (!buf) return 1;
+    float *acc = buf, *h = buf + M * CH;
+    for (int64_t b = 0; b < a->B; b++)
+    for (int64_t i = 0; i < a->t; i++)
+    for (int64_t gi = 0; gi < a->G; gi++) {
+        const float *xr = a->x + b * a->x_b + i * a->x_i + gi * M * a->x_n;
+        float *orow = a->out + b * a->o_b + i * a->o_i + gi * M * a->o_n;
+        const float *wq = a->wq ? a->wq + b * a->wq_b + i * a->wq_i
+                                        + gi * a->wq_g : 0;
+        KEY_SIDE(b, gi)
+        for (int64_t j0 = js; j0 < s; j0 += CH) {
+            const int64_t nj = s - j0 < CH ? s - j0 : CH;
+            for (int64_t n = 0; n < M; n++) {
+                float *an = acc + n * CH;
+                if (wq) {
+                    const float *wn = wq + n * a->wq_n;
+                    const float w0 = wn[0], *x0 = xr + j0;
+                    for (int64_t j = 0; j < nj; j++) an[j] = w0 * x0[j];
+                    for (int64_t m = 1; m < M; m++) {
+                        const float w = wn[m * a->wq_m], *xm = xr + m * a->x_n + j0;
+                        for (int64_t j = 0; j < nj; j++) an[j] += w * xm[j];
+                    }
+                } else {
+                    memcpy(an, xr + n * a->x_n + j0, sizeof(float) * (size_t)nj);
+                }
+                if (kd) {
+                    const float *kn = kd + n * a->kd_m + j0, *xn = xr + n * a->x_n + j0;
+                    for (int64_t j = 0; j < nj; j++) an[j] += xn[j] * kn[j];
+                }
+            }
+            if (k1) {
+                hidden(a, xr, a->x_n, k1, j0, nj, h);
+                for (int64_t n = 0; n < M; n++) {
+                    float *an = acc + n * CH;
+                    for (int64_t r = 0; r < R; r++) {
+                        const float *hr = h + r * CH;
+                        const float *k2n = k2 + r * a->kw_r + n * a->kw_m + j0;
+                        for (int64_t j = 0; j < nj; j++) an[j] += hr[j] * k2n[j];
+                    }
+                }
+            }
+            for (int64_t n = 0; n < M; n++)
+                memcpy(orow + n * a->o_n + j0, acc + n * CH, sizeof(float) * (size_t)nj);
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+/* dx = dL/dx into out (out may alias g); term gradients accumulated (+=). */
+static int backward_generic(const Args *a, int64_t js) {
+    const int64_t M = a->M, R = a->R, s = a->s;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(M + 2 * R) * CH);
+    if (!buf) return 1;
+    float *acc = buf, *h = buf + M * CH, *gk = buf + (M + R) * CH;
+    for (int64_t b = 0; b < a->B; b++)
+    for (int64_t gi = 0; gi < a->G; gi++) {
+        KEY_SIDE(b, gi)
+        KEY_SIDE_GRADS(b, gi)
+        for (int64_t j0 = js; j0 < s; j0 += CH) {
+            const int64_t nj = s - j0 < CH ? s - j0 : CH;
+            for (int64_t i = 0; i < a->t; i++) {
+                const float *xr = a->x + b * a->x_b + i * a->x_i + gi * M * a->x_n;
+                const float *gr = a->g + b * a->g_b + i * a->g_i + gi * M * a->g_n;
+                float *orow = a->out + b * a->o_b + i * a->o_i + gi * M * a->o_n;
+                /* query side: dwq[n, m] += sum_j g[n, j] x[m, j]; dx[m] = sum_n wq[n, m] g[n] */
+                if (a->wq) {
+                    const float *wq = a->wq + b * a->wq_b + i * a->wq_i
+                                      + gi * a->wq_g;
+                    float *dwq = a->dwq + b * a->dwq_b + i * a->dwq_i
+                                 + gi * a->dwq_g;
+                    for (int64_t n = 0; n < M; n++) {
+                        const float *gn = gr + n * a->g_n + j0;
+                        for (int64_t m = 0; m < M; m++) {
+                            const float *xm = xr + m * a->x_n + j0;
+                            float sum = 0.0f;
+                            #pragma omp simd reduction(+:sum)
+                            for (int64_t j = 0; j < nj; j++) sum += gn[j] * xm[j];
+                            dwq[n * a->dwq_n + m * a->dwq_m] += sum;
+                        }
+                    }
+                    for (int64_t m = 0; m < M; m++) {
+                        float *am = acc + m * CH;
+                        const float w0 = wq[m * a->wq_m], *g0 = gr + j0;
+                        for (int64_t j = 0; j < nj; j++) am[j] = w0 * g0[j];
+                        for (int64_t n = 1; n < M; n++) {
+                            const float w = wq[n * a->wq_n + m * a->wq_m];
+                            const float *gn = gr + n * a->g_n + j0;
+                            for (int64_t j = 0; j < nj; j++) am[j] += w * gn[j];
+                        }
+                    }
+                } else {
+                    for (int64_t m = 0; m < M; m++)
+                        memcpy(acc + m * CH, gr + m * a->g_n + j0, sizeof(float) * (size_t)nj);
+                }
+                if (kd) {      /* gating: dkdd[n] += g[n] x[n]; dx[n] += g[n] kdd[n] */
+                    for (int64_t n = 0; n < M; n++) {
+                        const float *gn = gr + n * a->g_n + j0, *xn = xr + n * a->x_n + j0;
+                        const float *kn = kd + n * a->kd_m + j0;
+                        float *dn = dkd + n * a->dkd_m + j0, *an = acc + n * CH;
+                        for (int64_t j = 0; j < nj; j++) {
+                            dn[j] += gn[j] * xn[j];
+                            an[j] += gn[j] * kn[j];
+                        }
+                    }
+                }
+                if (k1) {
+                    /* h = x . kw1 and gk = g . kw2 over the heads; then the outer products */
+                    hidden(a, xr, a->x_n, k1, j0, nj, h);
+                    for (int64_t r = 0; r < R; r++) {
+                        float *gkr = gk + r * CH;
+                        const float *k2r = k2 + r * a->kw_r + j0, *g0 = gr + j0;
+                        for (int64_t j = 0; j < nj; j++) gkr[j] = g0[j] * k2r[j];
+                        for (int64_t n = 1; n < M; n++) {
+                            const float *gn = gr + n * a->g_n + j0, *kn = k2r + n * a->kw_m;
+                            for (int64_t j = 0; j < nj; j++) gkr[j] += gn[j] * kn[j];
+                        }
+                    }
+                    for (int64_t r = 0; r < R; r++) {
+                        const float *hr = h + r * CH, *gkr = gk + r * CH;
+                        for (int64_t m = 0; m < M; m++) {
+                            const float *xm = xr + m * a->x_n + j0, *gm = gr + m * a->g_n + j0;
+                            const float *k1m = k1 + r * a->kw_r + m * a->kw_m + j0;
+                            float *d1 = dk1 + r * a->dkw_r + m * a->dkw_m + j0;
+                            float *d2 = dk2 + r * a->dkw_r + m * a->dkw_m + j0;
+                            float *am = acc + m * CH;
+                            for (int64_t j = 0; j < nj; j++) {
+                                d1[j] += gkr[j] * xm[j];
+                                d2[j] += hr[j] * gm[j];
+                                am[j] += gkr[j] * k1m[j];
+                            }
+                        }
+                    }
+                }
+                for (int64_t m = 0; m < M; m++)
+                    memcpy(orow + m * a->o_n + j0, acc + m * CH, sizeof(float) * (size_t)nj);
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+/* ---- vectorised path: M (heads per group) and R are compile-time constants ----
+   (M in 1, 2, 4, 8, 16 and R in 1, 2, 4; other sizes, and the last s % VL keys, take the
+   generic loops above) */
+
+#define VL 16                       /* floats per vector (one AVX-512 register) */
+#define VCH 128                     /* keys per chunk (the chunk's key-side terms stay in L1) */
+typedef float vf __attribute__((vector_size(4 * VL), aligned(4)));
+#define LD(p) (*(const vf *)(p))
+#define ST(p, v) (*(vf *)(p) = (v))
+#define INLINE static inline __attribute__((always_inline))
+
+/* (by pointer: a 64-byte vector passed by value draws GCC's -Wpsabi note without AVX-512) */
+INLINE float hsum(const vf *v) {
+    float t = 0.0f;
+    for (int l = 0; l < VL; l++) t += (*v)[l];
+    return t;
+}
+
+INLINE void forward_rows(const Args *a, int64_t b, int64_t gi, int64_t jv, const int M,
+                         const int R) {
+    KEY_SIDE(b, gi)
+    for (int64_t j0 = 0; j0 < jv; j0 += VCH) {
+        const int64_t j1 = j0 + VCH < jv ? j0 + VCH : jv;
+        for (int64_t i = 0; i < a->t; i++) {
+            const float *xr = a->x + b * a->x_b + i * a->x_i + gi * M * a->x_n;
+            float *orow = a->out + b * a->o_b + i * a->o_i + gi * M * a->o_n;
+            const float *wq = a->wq ? a->wq + b * a->wq_b + i * a->wq_i
+                                            + gi * a->wq_g : 0;
+            for (int64_t j = j0; j < j1; j += VL) {
+                vf X[16], O[16], H[4];
+                _Pragma("GCC unroll 16") for (int m = 0; m < M; m++) X[m] = LD(xr + m * a->x_n + j);
+                if (wq) {
+                    _Pragma("GCC unroll 16") for (int n = 0; n < M; n++) {
+                        const float *wn = wq + n * a->wq_n;
+                        vf o = X[0] * wn[0];
+                        _Pragma("GCC unroll 16") for (int m = 1; m < M; m++) o += X[m] * wn[m * a->wq_m];
+                        O[n] = o;
+                    }
+                } else {
+                    _Pragma("GCC unroll 16") for (int n = 0; n < M; n++) O[n] = X[n];
+                }
+                if (kd) {
+                    _Pragma("GCC unroll 16") for (int n = 0; n < M; n++) O[n] += X[n] * LD(kd + n * a->kd_m + j);
+                }
+                if (k1) {
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+                        const float *kr = k1 + r * a->kw_r + j;
+                        vf hr = X[0] * LD(kr);
+                        _Pragma("GCC unroll 16") for (int m = 1; m < M; m++) hr += X[m] * LD(kr + m * a->kw_m);
+                        H[r] = hr;
+                    }
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+                        const float *kr = k2 + r * a->kw_r + j;
+                        _Pragma("GCC unroll 16") for (int n = 0; n < M; n++) O[n] += H[r] * LD(kr + n * a->kw_m);
+                    }
+                }
+                _Pragma("GCC unroll 16") for (int n = 0; n < M; n++) ST(orow + n * a->o_n + j, O[n]);
+            }
+        }
+    }
+}
+
+/* dwq[n, m] += sum_j g[n, j] x[m, j] over j < jv for one row, two n at a time. */
+INLINE void backward_wq_row(const Args *a, int64_t b, int64_t gi, int64_t i, int64_t jv,
+                            const int M) {
+    {
+        const float *xr = a->x + b * a->x_b + i * a->x_i + gi * M * a->x_n;
+        const float *gr = a->g + b * a->g_b + i * a->g_i + gi * M * a->g_n;
+        float *dwq = a->dwq + b * a->dwq_b + i * a->dwq_i + gi * a->dwq_g;
+        for (int n0 = 0; n0 < M; n0 += 2) {
+            const int two = n0 + 1 < M;
+            vf A0[16], A1[16];
+            _Pragma("GCC unroll 16") for (int m = 0; m < M; m++) { A0[m] = (vf){0}; A1[m] = (vf){0}; }
+            const float *g0 = gr + n0 * a->g_n, *g1 = gr + (n0 + two) * a->g_n;
+            for (int64_t j = 0; j < jv; j += VL) {
+                const vf G0 = LD(g0 + j), G1 = LD(g1 + j);
+                _Pragma("GCC unroll 16") for (int m = 0; m < M; m++) {
+                    const vf Xm = LD(xr + m * a->x_n + j);
+                    A0[m] += G0 * Xm;
+                    A1[m] += G1 * Xm;
+                }
+            }
+            _Pragma("GCC unroll 16") for (int m = 0; m < M; m++) {
+                dwq[n0 * a->dwq_n + m * a->dwq_m] += hsum(&A0[m]);
+                if (two) dwq[(n0 + 1) * a->dwq_n + m * a->dwq_m] += hsum(&A1[m]);
+            }
+        }
+    }
+}
+
+INLINE void backward_rows(const Args *a, int64_t b, int64_t gi, int64_t jv, const int M,
+                          const int R) {
+    KEY_SIDE(b, gi)
+    KEY_SIDE_GRADS(b, gi)
+    /* Row by row: the wq pass brings the row's x and g into cache for the main pass, and
+       the key-side accumulators (5 M s floats) stay in L2. */
+    for (int64_t i = 0; i < a->t; i++) {
+        if (a->wq) backward_wq_row(a, b, gi, i, jv, M);   /* reads g before dx overwrites it */
+        {
+            const int64_t j0 = 0, j1 = jv;
+            const float *xr = a->x + b * a->x_b + i * a->x_i + gi * M * a->x_n;
+            const float *gr = a->g + b * a->g_b + i * a->g_i + gi * M * a->g_n;
+            float *orow = a->out + b * a->o_b + i * a->o_i + gi * M * a->o_n;
+            const float *wq = a->wq ? a->wq + b * a->wq_b + i * a->wq_i
+                                            + gi * a->wq_g : 0;
+            for (int64_t j = j0; j < j1; j += VL) {
+                vf X[16], G[16], D[16], H[4], GK[4];
+                _Pragma("GCC unroll 16") for (int m = 0; m < M; m++) {
+                    X[m] = LD(xr + m * a->x_n + j);
+                    G[m] = LD(gr + m * a->g_n + j);
+                }
+                if (wq) {
+                    _Pragma("GCC unroll 16") for (int m = 0; m < M; m++) {
+                        vf d = G[0] * wq[m * a->wq_m];
+                        _Pragma("GCC unroll 16") for (int n = 1; n < M; n++) d += G[n] * wq[n * a->wq_n + m * a->wq_m];
+                        D[m] = d;
+                    }
+                } else {
+                    _Pragma("GCC unroll 16") for (int m = 0; m < M; m++) D[m] = G[m];
+                }
+                if (kd) {
+                    _Pragma("GCC unroll 16") for (int n = 0; n < M; n++) {
+                        D[n] += G[n] * LD(kd + n * a->kd_m + j);
+                        float *dn = dkd + n * a->dkd_m + j;
+                        ST(dn, LD(dn) + G[n] * X[n]);
+                    }
+                }
+                if (k1) {
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+                        const float *k1r = k1 + r * a->kw_r + j, *k2r = k2 + r * a->kw_r + j;
+                        vf hr = X[0] * LD(k1r), gkr = G[0] * LD(k2r);
+                        _Pragma("GCC unroll 16") for (int m = 1; m < M; m++) {
+                            hr += X[m] * LD(k1r + m * a->kw_m);
+                            gkr += G[m] * LD(k2r + m * a->kw_m);
+                        }
+                        H[r] = hr;
+                        GK[r] = gkr;
+                    }
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+                        const float *k1r = k1 + r * a->kw_r + j;
+                        float *d1 = dk1 + r * a->dkw_r + j, *d2 = dk2 + r * a->dkw_r + j;
+                        _Pragma("GCC unroll 16") for (int m = 0; m < M; m++) {
+                            D[m] += GK[r] * LD(k1r + m * a->kw_m);
+                            ST(d1 + m * a->dkw_m, LD(d1 + m * a->dkw_m) + GK[r] * X[m]);
+                            ST(d2 + m * a->dkw_m, LD(d2 + m * a->dkw_m) + H[r] * G[m]);
+                        }
+                    }
+                }
+                _Pragma("GCC unroll 16") for (int m = 0; m < M; m++) ST(orow + m * a->o_n + j, D[m]);
+            }
+        }
+    }
+}
+
+#define DISPATCH(CALL)                                                               \
+    switch (a->M <= 16 && (!a->kw1 || a->R <= 4) ? a->M * 8 + (a->kw1 ? a->R : 1) : 0) { \
+    case 1 * 8 + 1: CALL(1, 1); break;  case 1 * 8 + 2: CALL(1, 2); break;           \
+    case 2 * 8 + 1: CALL(2, 1); break;  case 2 * 8 + 2: CALL(2, 2); break;           \
+    case 4 * 8 + 1: CALL(4, 1); break;  case 4 * 8 + 2: CALL(4, 2); break;           \
+    case 4 * 8 + 4: CALL(4, 4); break;  case 8 * 8 + 1: CALL(8, 1); break;           \
+    case 8 * 8 + 2: CALL(8, 2); break;  case 8 * 8 + 4: CALL(8, 4); break;           \
+    case 16 * 8 + 1: CALL(16, 1); break; case 16 * 8 + 2: CALL(16, 2); break;        \
+    case 16 * 8 + 4: CALL(16, 4); break;                                             \
+    default: jv = 0;                                                                 \
+    }
+
+/* The exported entry points: the vectorised rows where (M, R) has them, then the generic
+   loops for the remaining key columns [jv, s). */
+#define ENTRY(NAME, ROWS, GENERIC)                                                   \
+    int NAME(const Args *a) {                                                        \
+        int64_t jv = a->s - a->s % VL;                                               \
+        for (int64_t b = 0; b < a->B; b++)                                           \
+            for (int64_t gi = 0; gi < a->G; gi++) {                                  \
+                DISPATCH(ROWS)                                                       \
+            }                                                                        \
+        return jv < a->s ? GENERIC(a, jv) : 0;                                       \
+    }
+#define FWD(MM, RR) forward_rows(a, b, gi, jv, MM, RR)
+#define BWD(MM, RR) backward_rows(a, b, gi, jv, MM, RR)
+ENTRY(dcmha_compose_forward, FWD, forward_generic)
+ENTRY(dcmha_compose_backward, BWD, backward_generic)

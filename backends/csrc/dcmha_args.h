@@ -1,0 +1,81 @@
+/* The argument block of the dcmha compose kernel, shared by the kernel (compose.c), its C++
+   wrappers (compose_wrap.h: xla_ffi.cc, tf_op.cc) and Python (ctypes' ``_Args`` in
+   dcmha/backends/cpu_kernel.py, which lists the same fields in the same order).
+
+   The layout is not trusted across compilers and languages: every library built from these
+   files exports its view of it (DCMHA_DEFINE_ARGS_LAYOUT), and the Python loader compares
+   it, field by field, with ctypes' before calling anything; a library whose layout differs
+   is refused.
+
+   Arrays are float32 with a contiguous last axis; strides are in elements. A block is x
+   (B, t, N, s), head n = g * M + m at stride x_n; wq (B, t, [G,] M, M) holds
+   out[n] = sum_m wq[n, m] x[m] for group g at offset wq_g; kw1 / kw2 (B, G, R, M, s) and
+   kdd (B, G, M, s) are the key-side terms of the block's key columns. A NULL term pointer
+   means the term is absent. */
+#ifndef DCMHA_ARGS_H
+#define DCMHA_ARGS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define DCMHA_EXPORT __attribute__((visibility("default")))
+#else
+#define DCMHA_EXPORT
+#endif
+
+#ifdef __cplusplus
+#define DCMHA_C_LINKAGE extern "C"
+#else
+#define DCMHA_C_LINKAGE
+#endif
+
+typedef struct DcmhaArgs {
+    int64_t B, t, G, M, R, s;
+    const float *x; int64_t x_b, x_i, x_n;          /* (B, t, N, s) input block */
+    float *out; int64_t o_b, o_i, o_n;              /* forward: result; backward: dx */
+    const float *g; int64_t g_b, g_i, g_n;          /* backward: dL/d out */
+    const float *wq; int64_t wq_b, wq_i, wq_g, wq_n, wq_m;    /* (B, t, [G,] M, M) per query */
+    float *dwq; int64_t dwq_b, dwq_i, dwq_g, dwq_n, dwq_m;
+    const float *kw1; const float *kw2; int64_t kw_b, kw_g, kw_r, kw_m;
+    float *dkw1; float *dkw2; int64_t dkw_b, dkw_g, dkw_r, dkw_m;
+    const float *kdd; int64_t kd_b, kd_g, kd_m;
+    float *dkdd; int64_t dkd_b, dkd_g, dkd_m;
+} Args;
+
+/* The kernel's entry points: 0 on success, 1 when its chunk buffer cannot be allocated.
+   Forward: out = Compose(x). Backward: out = dCompose/dx^T g (out may alias g), and the
+   term gradients accumulated (+=) into dwq, dkw1, dkw2, dkdd. */
+DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_compose_forward(const Args *a);
+DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_compose_backward(const Args *a);
+
+/* Every field of Args, in declaration order (the loader checks each by name). */
+#define DCMHA_ARGS_FIELDS(F)                                                            \
+    F(B) F(t) F(G) F(M) F(R) F(s)                                                       \
+    F(x) F(x_b) F(x_i) F(x_n) F(out) F(o_b) F(o_i) F(o_n) F(g) F(g_b) F(g_i) F(g_n)     \
+    F(wq) F(wq_b) F(wq_i) F(wq_g) F(wq_n) F(wq_m)                                       \
+    F(dwq) F(dwq_b) F(dwq_i) F(dwq_g) F(dwq_n) F(dwq_m)                                 \
+    F(kw1) F(kw2) F(kw_b) F(kw_g) F(kw_r) F(kw_m)                                       \
+    F(dkw1) F(dkw2) F(dkw_b) F(dkw_g) F(dkw_r) F(dkw_m)                                 \
+    F(kdd) F(kd_b) F(kd_g) F(kd_m) F(dkdd) F(dkd_b) F(dkd_g) F(dkd_m)
+
+#define DCMHA_FIELD_LAYOUT_(f) (int64_t)offsetof(Args, f), (int64_t)sizeof(((Args *)0)->f),
+#define DCMHA_FIELD_NAME_(f) #f " "
+
+/* Defines LAYOUT(out, cap), which writes sizeof(Args), then each field's offset and size
+   (out[1 + 2 i], out[2 + 2 i]), as far as cap allows, and returns the number of fields; and
+   NAMES(), the fields' names separated by spaces. Use once per library and language: the
+   kernel exports dcmha_args_layout / dcmha_args_names, a C++ wrapper dcmha_cxx_args_layout /
+   dcmha_cxx_args_names, so each compiler's view is checked. */
+#define DCMHA_DEFINE_ARGS_LAYOUT(LAYOUT, NAMES)                                          \
+    DCMHA_C_LINKAGE DCMHA_EXPORT int64_t LAYOUT(int64_t *out, int64_t cap) {             \
+        const int64_t table[] = {(int64_t)sizeof(Args), DCMHA_ARGS_FIELDS(DCMHA_FIELD_LAYOUT_)}; \
+        const int64_t n = (int64_t)(sizeof table / sizeof table[0]);                     \
+        for (int64_t i = 0; i < n && i < cap; i++) out[i] = table[i];                    \
+        return (n - 1) / 2;                                                              \
+    }                                                                                    \
+    DCMHA_C_LINKAGE DCMHA_EXPORT const char *NAMES(void) {                               \
+        return DCMHA_ARGS_FIELDS(DCMHA_FIELD_NAME_);                                     \
+    }
+
+#endif /* DCMHA_ARGS_H */

@@ -1,0 +1,104 @@
+/* TensorFlow CPU ops around the dcmha compose kernel (loaded by dcmha.backends.tf_cpu with
+   tf.load_op_library): DcmhaComposeForward(x, wq, kw1, kw2, kdd; flags) -> out and
+   DcmhaComposeBackward(x, g, wq, kw1, kw2, kdd; flags) -> (dx, dwq, dkw1, dkw2, dkdd), the
+   same arrays as the XLA FFI handlers (compose_wrap.h).
+
+   Compiles on its own with TensorFlow's flags:
+   c++ -std=c++17 -w $(python -c 'import tensorflow as tf;
+   print(" ".join(tf.sysconfig.get_compile_flags()))') -c tf_op.cc */
+#include "compose_wrap.h"
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+using namespace tensorflow;
+
+static absl::Status same_shapes(shape_inference::InferenceContext *c, int first_input) {
+    for (int i = 0; i < c->num_outputs(); i++) c->set_output(i, c->input(first_input + i));
+    return absl::OkStatus();
+}
+
+REGISTER_OP("DcmhaComposeForward")
+    .Input("x: float").Input("wq: float").Input("kw1: float").Input("kw2: float")
+    .Input("kdd: float").Output("out: float").Attr("flags: int")
+    .SetShapeFn([](shape_inference::InferenceContext *c) { return same_shapes(c, 0); });
+
+REGISTER_OP("DcmhaComposeBackward")
+    .Input("x: float").Input("g: float").Input("wq: float").Input("kw1: float")
+    .Input("kw2: float").Input("kdd: float")
+    .Output("dx: float").Output("dwq: float").Output("dkw1: float").Output("dkw2: float")
+    .Output("dkdd: float").Attr("flags: int")
+    .SetShapeFn([](shape_inference::InferenceContext *c) {
+        c->set_output(0, c->input(0));
+        for (int i = 1; i < 5; i++) c->set_output(i, c->input(i + 1));
+        return absl::OkStatus();
+    });
+
+/* Both ops: the "flags" attribute, read once, and Args from x (input 0) and the terms. */
+class DcmhaComposeOp : public OpKernel {
+  public:
+    explicit DcmhaComposeOp(OpKernelConstruction *c) : OpKernel(c) {
+        OP_REQUIRES_OK(c, c->GetAttr("flags", &flags_));
+    }
+  protected:
+    /* Args for x and the terms wq, kw1, kw2, kdd (inputs terms .. terms + 3); false, with
+       the op failed, if x is not (B, G, M, t, s). */
+    bool fill(OpKernelContext *c, Args &a, int terms) const {
+        const Tensor &x = c->input(0);
+        if (x.dims() != 5) {
+            c->SetStatus(errors::InvalidArgument(
+                "dcmha compose: x must be (B, G, M, t, s), got rank ", x.dims()));
+            return false;
+        }
+        int64_t d[5];
+        for (int i = 0; i < 5; i++) d[i] = x.dim_size(i);
+        const Tensor &kw1 = c->input(terms + 1);
+        const int64_t R = kw1.dims() == 5 ? kw1.dim_size(2) : 1;
+        dcmha_fill(a, d, R, x.flat<float>().data(), c->input(terms).flat<float>().data(),
+                   kw1.flat<float>().data(), c->input(terms + 2).flat<float>().data(),
+                   c->input(terms + 3).flat<float>().data(), flags_);
+        return true;
+    }
+    int64_t flags_;
+};
+
+class DcmhaComposeForwardOp : public DcmhaComposeOp {
+  public:
+    using DcmhaComposeOp::DcmhaComposeOp;
+    void Compute(OpKernelContext *c) override {
+        Args a;
+        if (!fill(c, a, 1)) return;
+        Tensor *out = nullptr;
+        OP_REQUIRES_OK(c, c->allocate_output(0, c->input(0).shape(), &out));
+        a.out = out->flat<float>().data();
+        OP_REQUIRES(c, dcmha_compose_forward(&a) == 0,
+                    errors::ResourceExhausted("dcmha compose: out of memory"));
+    }
+};
+
+class DcmhaComposeBackwardOp : public DcmhaComposeOp {
+  public:
+    using DcmhaComposeOp::DcmhaComposeOp;
+    void Compute(OpKernelContext *c) override {
+        Args a;
+        if (!fill(c, a, 2)) return;
+        Tensor *outs[5];        /* dx like x (input 0), the term gradients like the terms */
+        for (int i = 0; i < 5; i++)
+            OP_REQUIRES_OK(c, c->allocate_output(i, c->input(i == 0 ? 0 : i + 1).shape(),
+                                                 &outs[i]));
+        a.g = c->input(1).flat<float>().data();
+        a.out = outs[0]->flat<float>().data();
+        dcmha_grads(a, outs[1]->flat<float>().data(), outs[1]->NumElements(),
+                    outs[2]->flat<float>().data(), outs[3]->flat<float>().data(),
+                    outs[2]->NumElements(), outs[4]->flat<float>().data(),
+                    outs[4]->NumElements(), flags_);
+        OP_REQUIRES(c, dcmha_compose_backward(&a) == 0,
+                    errors::ResourceExhausted("dcmha compose: out of memory"));
+    }
+};
+
+REGISTER_KERNEL_BUILDER(Name("DcmhaComposeForward").Device(DEVICE_CPU), DcmhaComposeForwardOp);
+REGISTER_KERNEL_BUILDER(Name("DcmhaComposeBackward").Device(DEVICE_CPU), DcmhaComposeBackwardOp);
+
+DCMHA_DEFINE_ARGS_LAYOUT(dcmha_cxx_args_layout, dcmha_cxx_args_names)

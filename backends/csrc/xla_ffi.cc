@@ -1,0 +1,57 @@
+/* XLA FFI handlers around the dcmha compose kernel, for jax.ffi on CPU (registered by
+   dcmha.backends.jax_cpu as "dcmha_compose_forward" / "dcmha_compose_backward").
+
+   DcmhaComposeForward(x, wq, kw1, kw2, kdd; flags) -> out and DcmhaComposeBackward(x, g, wq,
+   kw1, kw2, kdd; flags) -> (dx, dwq, dkw1, dkw2, dkdd), arrays as in compose_wrap.h.
+
+   Compiles on its own against jaxlib's FFI headers:
+   c++ -std=c++17 -I"$(python -c 'import jax; print(jax.ffi.include_dir())')" -c xla_ffi.cc */
+#include "compose_wrap.h"
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using F32 = ffi::Buffer<ffi::F32>;
+using Out = ffi::ResultBuffer<ffi::F32>;
+
+static ffi::Error Forward(F32 x, F32 wq, F32 kw1, F32 kw2, F32 kdd, Out out, int64_t flags) {
+    Args a;
+    const int64_t R = kw1.dimensions().size() == 5 ? kw1.dimensions()[2] : 1;
+    dcmha_fill(a, x.dimensions().begin(), R, x.typed_data(), wq.typed_data(),
+               kw1.typed_data(), kw2.typed_data(), kdd.typed_data(), flags);
+    a.out = out->typed_data();
+    if (dcmha_compose_forward(&a)) return ffi::Error::Internal("dcmha compose: out of memory");
+    return ffi::Error::Success();
+}
+
+static ffi::Error Backward(F32 x, F32 g, F32 wq, F32 kw1, F32 kw2, F32 kdd, Out dx, Out dwq,
+                           Out dkw1, Out dkw2, Out dkdd, int64_t flags) {
+    Args a;
+    const int64_t R = kw1.dimensions().size() == 5 ? kw1.dimensions()[2] : 1;
+    dcmha_fill(a, x.dimensions().begin(), R, x.typed_data(), wq.typed_data(),
+               kw1.typed_data(), kw2.typed_data(), kdd.typed_data(), flags);
+    a.g = g.typed_data();
+    a.out = dx->typed_data();
+    dcmha_grads(a, dwq->typed_data(), dwq->element_count(), dkw1->typed_data(),
+                dkw2->typed_data(), dkw1->element_count(), dkdd->typed_data(),
+                dkdd->element_count(), flags);
+    if (dcmha_compose_backward(&a)) return ffi::Error::Internal("dcmha compose: out of memory");
+    return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DcmhaComposeForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("flags"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DcmhaComposeBackward, Backward,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Arg<F32>()
+                                  .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("flags"));
+
+DCMHA_DEFINE_ARGS_LAYOUT(dcmha_cxx_args_layout, dcmha_cxx_args_names)
