@@ -8,11 +8,24 @@ exactly as an out-of-tree package would. Importing a package imports no framewor
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 #: T * S from which ``implementation="auto"`` takes a blocked CPU core ("torch",
 #: "jax_cpu", "tf_cpu") over the plain one: below it every core takes a few
 #: milliseconds, dominated by per-op overhead (see backends/torch_native/keras_core.py).
 CPU_MIN_LENGTH_PRODUCT = 64 * 128
+
+
+#: What the blocked CPU-kernel paths ("jax_cpu", "tf_cpu") cannot do: the probabilities
+#: are never materialised, the blocks are unrolled at trace time from static sizes and a
+#: static query offset, and the kernel takes one mask for all heads and no dropout.
+CPU_KERNEL_LACKS = frozenset({"attention_scores", "intermediates", "dropout", "head_masks",
+                              "traced_offset", "symbolic_shapes"})
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported (without importing it)."""
+    return importlib.util.find_spec(module) is not None
 
 
 def lazy_attributes(package: str, module: str, names):

@@ -20,7 +20,7 @@ import numpy as np
 
 from dcmha.spec import terms as spec_terms
 
-__all__ = ["AttentionCall", "describe", "check_positive_int", "shape_of"]
+__all__ = ["AttentionCall", "describe", "check_positive_int", "shape_of", "block_rows"]
 
 
 def _size(s) -> Optional[int]:
@@ -57,6 +57,18 @@ def check_positive_int(name: str, value, allow_none: bool = False) -> None:
     if not _is_int(value) or value <= 0:
         what = "None or a positive integer" if allow_none else "a positive integer"
         raise ValueError(f"`{name}` must be {what}. Received: {name}={value!r}")
+
+
+def block_rows(batch: int, num_heads: int, key_length: int, block_bytes: int, *,
+               smallest: int = 16, largest: Optional[int] = 1024) -> int:
+    """Query rows per block: the power of two whose (B, N, rows, S) float32 block is
+    closest to ``block_bytes`` from below, clamped to [smallest, largest] (powers of
+    two; largest None: no cap). The one rule behind every chunk and block size:
+    ``dcmha.ops.auto_query_chunk_size`` and the fused kernels' defaults; kept here,
+    framework-free, so that the kernel modules need not import Keras."""
+    rows = block_bytes // (4 * max(1, batch * num_heads * key_length))
+    rows = max(smallest, rows if largest is None else min(largest, rows))
+    return 1 << (rows.bit_length() - 1)
 
 
 def _dtype_name(x) -> str:
@@ -277,9 +289,12 @@ def describe(q, k, v, *, num_groups=1, pre=None, post=None, attention_mask=None,
     if not hasattr(query_offset, "shape") and (not _is_int(query_offset) or query_offset < 0):
         raise ValueError("`query_offset` must be a non-negative integer. "
                          f"Received: query_offset={query_offset!r}")
-    if hasattr(query_offset, "shape") and len(query_offset.shape) != 0:
+    if hasattr(query_offset, "shape") and (
+            len(query_offset.shape) != 0
+            or not _dtype_name(query_offset).startswith(("int", "uint"))):
         raise ValueError("`query_offset` must be an integer or an integer scalar tensor. "
-                         f"Received: query_offset.shape={shape_of(query_offset)}")
+                         f"Received: query_offset.shape={shape_of(query_offset)}, "
+                         f"query_offset.dtype={_dtype_name(query_offset)}")
     mask_kind = _check_mask(attention_mask, B, T, S, N)
     M = None if N is None else N // num_groups
     ranks = []

@@ -408,8 +408,7 @@ def auto_query_chunk_size(batch, num_heads, key_length, query_length, block_byte
         return None
     if block_bytes is None:
         block_bytes = 4 * 2 ** 20 if _on_cpu() else 256 * 2 ** 20
-    chunk = block_bytes // (4 * max(1, batch * num_heads * key_length))
-    chunk = 2 ** int(math.log2(max(16, min(1024, chunk))))
+    chunk = dcall.block_rows(batch, num_heads, key_length, block_bytes)
     return chunk if chunk < query_length else None
 
 
@@ -615,7 +614,7 @@ def attention(call):
 
 #: The plain core's registration (entry point ``ops`` of ``dcmha.implementations``).
 IMPLEMENTATION = registry.Implementation(
-    name="ops", backend="any", module="dcmha.ops", devices=frozenset({"cpu", "gpu"}),
+    name="ops", backend="any", module="dcmha.ops", devices=frozenset({"cpu", "gpu", "tpu"}),
     description="the plain keras.ops core (every backend, every capability)")
 
 

@@ -54,7 +54,8 @@ ENTRY_POINT_GROUP = "dcmha.implementations"
 CAPABILITIES = frozenset({"attention_scores", "intermediates", "dropout", "head_masks",
                           "traced_offset", "query_offset", "symbolic_shapes"})
 
-_DEVICES = frozenset({"cpu", "gpu"})
+_DEVICES = frozenset({"cpu", "gpu", "tpu"})
+_BACKENDS = ("any", "jax", "torch", "tensorflow", "numpy")
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Implementation:
         backend: the Keras backend it runs on ("jax", "torch", "tensorflow",
             "numpy"), or "any".
         module: the module that holds ``attention(call)`` (imported on first use).
-        devices: where it runs: a subset of {"cpu", "gpu"}.
+        devices: where it runs: a subset of {"cpu", "gpu", "tpu"}.
         auto_devices: where ``"auto"`` may take it (a subset of ``devices``).
         lacks: the capabilities (``CAPABILITIES``) it does not have.
         priority: ``"auto"`` tries higher priorities first.
@@ -92,6 +93,23 @@ class Implementation:
         if not isinstance(self.name, str) or not self.name or self.name == "auto":
             raise ValueError(f"`name` must be a non-empty string other than 'auto'. "
                              f"Received: name={self.name!r}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"`backend` of implementation {self.name!r} must be one of "
+                             f"{list(_BACKENDS)}. Received: backend={self.backend!r}")
+        if not isinstance(self.module, str) or not self.module:
+            raise ValueError(f"`module` of implementation {self.name!r} must be a module name. "
+                             f"Received: module={self.module!r}")
+        for attr in ("priority", "min_length_product"):
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not isinstance(value, int) or (
+                    attr == "min_length_product" and value < 0):
+                what = "an integer" if attr == "priority" else "a non-negative integer"
+                raise ValueError(f"`{attr}` of implementation {self.name!r} must be {what}. "
+                                 f"Received: {attr}={value!r}")
+        if not isinstance(self.cpu_env, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.cpu_env.items()):
+            raise ValueError(f"`cpu_env` of implementation {self.name!r} must map variable names "
+                             f"to strings. Received: cpu_env={self.cpu_env!r}")
         for attr, allowed in (("devices", _DEVICES), ("auto_devices", self.devices),
                               ("lacks", CAPABILITIES)):
             value = frozenset(getattr(self, attr))
@@ -125,6 +143,7 @@ def _entry_points():
 
 def _load_table() -> Dict[str, Implementation]:
     table: Dict[str, Implementation] = {}
+    _errors.clear()
     for ep in sorted(_entry_points(), key=lambda e: (e.value.startswith("dcmha."), e.name),
                      reverse=True):
         # dcmha's own entry points first, so that another package cannot shadow them.
@@ -202,7 +221,7 @@ def resolve(implementation) -> str:
 # ---------------------------------------------------------------------------
 
 def current_device(call) -> str:
-    """"gpu" when the call's arrays live on an accelerator, else "cpu"."""
+    """Where the call runs: "cpu", "gpu" or "tpu" (jax's platform)."""
     import keras
     backend = keras.backend.backend()
     q = call.q
@@ -211,7 +230,8 @@ def current_device(call) -> str:
         return "cpu" if dev in ("cpu", "meta") else "gpu"
     if backend == "jax":
         import jax
-        return "cpu" if jax.default_backend() == "cpu" else "gpu"
+        platform = jax.default_backend()
+        return platform if platform in _DEVICES else "gpu"
     if backend == "tensorflow":
         import tensorflow as tf
         device = getattr(q, "device", "") or ""
@@ -241,7 +261,7 @@ def _lacks_problem(impl: Implementation, call) -> Optional[str]:
     missing = sorted(call.needs & impl.lacks)
     if not missing:
         return None
-    return "the call needs " + ", ".join(_NEED_TEXT[m](call) for m in missing)
+    return "the call needs " + "; ".join(_NEED_TEXT[m](call) for m in missing)
 
 
 _NEED_TEXT: Dict[str, Callable] = {

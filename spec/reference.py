@@ -21,6 +21,8 @@ from typing import Dict, Mapping, Optional
 
 import numpy as np
 
+from .terms import stage_terms
+
 SPEC_VERSION = "1.0.0"
 
 #: The four dynamic-weight slots in the official order (C = 4 when all are on).
@@ -382,25 +384,9 @@ def compose_terms(cfg: Config, stage: str, qdyn: Mapping, kdyn: Mapping,
 
     qdyn / kdyn: the dynamic weights of the query / key side, keyed by slot.
     """
-    kw = {}
-    q = qdyn.get(stage + "_query", {})
-    k = kdyn.get(stage + "_key", {})
-    if "w1" in q:
-        kw.update(qw1=q["w1"], qw2=q["w2"])
-    if "dd" in q:
-        kw["qdd"] = q["dd"]
-    if "w1" in k:
-        kw.update(kw1=k["w1"], kw2=k["w2"])
-    if "dd" in k:
-        kw["kdd"] = k["dd"]
-    if cfg.static_compose:
-        kw["static"] = params["static_" + stage]
-    return kw
+    return stage_terms(stage, qdyn, kdyn,
+                       params["static_" + stage] if cfg.static_compose else None)
 
-
-# ---------------------------------------------------------------------------
-# Masks
-# ---------------------------------------------------------------------------
 
 def make_mask(B: int, T: int, S: int, *, attention_mask: Optional[np.ndarray] = None,
               use_causal_mask: bool = False, sliding_window: Optional[int] = None,

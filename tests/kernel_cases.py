@@ -14,9 +14,10 @@ import numpy as np
 
 from dcmha.spec import reference as ref
 from dcmha.spec import reference_grad as ref_grad
+from dcmha.spec import terms as spec_terms
 from dcmha.spec import tolerance as tol
 
-TERMS = ("qw1", "qw2", "kw1", "kw2", "qdd", "kdd", "static")
+TERMS = spec_terms.TERM_NAMES
 
 
 def make_problem(seed, *, B=2, T=11, S=9, N=4, N_kv=2, d=8, d_v=6, G=1, R=2, pre=TERMS,
@@ -28,11 +29,11 @@ def make_problem(seed, *, B=2, T=11, S=9, N=4, N_kv=2, d=8, d_v=6, G=1, R=2, pre
     def arr(*shape, scale=1.0):
         return tol.round_to_dtype(rng.normal(0.0, scale, size=shape), dtype)
 
-    shapes = dict(qw1=(B, T, G, R, M), qw2=(B, T, G, R, M), kw1=(B, S, G, R, M),
-                  kw2=(B, S, G, R, M), qdd=(B, T, G, M), kdd=(B, S, G, M), static=(G, M, M))
+    sizes = dict(B=B, T=T, S=S, G=G, R=R, M=M)
 
     def stage(names):
-        return None if names is None else {n: arr(*shapes[n], scale=0.5) for n in names}
+        return None if names is None else {
+            n: arr(*spec_terms.term_shape(n, sizes), scale=0.5) for n in names}
 
     return dict(q=arr(B, T, N, d), k=arr(B, S, N_kv, d), v=arr(B, S, N_kv, d_v), G=G,
                 pre=stage(pre), post=stage(post), do=arr(B, T, N, d_v),

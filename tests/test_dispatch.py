@@ -1,5 +1,6 @@
 """Dispatch of the attention core: ``implementation=`` names, the "auto" rules and each
-fast path against the plain "ops" core (``dcmha.ops.select_implementation``).
+fast path against the plain "ops" core (``dcmha.ops.select_implementation``, which wraps
+``dcmha.registry.select``; the registry itself is tested in test_dispatch_registry.py).
 
 Runs on CPU on the Keras backend of the process (KERAS_BACKEND=jax|torch|tensorflow|numpy);
 what does not apply to that backend is skipped with the reason. The forced-Triton
@@ -24,21 +25,31 @@ import pytest
 import keras
 from keras import ops
 
+from dcmha import call as dcall
 from dcmha import ops as dops
+from dcmha import registry
 from dcmha.layers import DCMHA
 
 BACKEND = keras.backend.backend()
 #: Every ``implementation`` name, as the error message lists them.
 NAMES = ["auto", "jax_cpu", "ops", "pallas", "tf_cpu", "torch", "triton", "xla"]
-#: The fast paths whose refusal messages this file words exactly (the "torch" path is
-#: tested by its own module's tests).
-WORDED_HERE = ("triton", "pallas", "xla")
+#: The fast paths "auto" tries on each Keras backend, in order (higher priority first).
+AUTO_ORDER = {"torch": ["triton", "torch"], "jax": ["pallas", "jax_cpu"],
+              "tensorflow": ["tf_cpu", "xla"], "numpy": []}
 #: TRITON_INTERPRET as the process started (Triton reads it when first imported).
 INTERPRET_STEP = (BACKEND == "torch" and os.environ.get("TRITON_INTERPRET") == "1"
                   and "tensorflow" not in sys.modules)
+#: Forced Triton on CPU tensors without TRITON_INTERPRET=1: the registration's device rule.
+TRITON_DEVICE_MSG = ("`implementation='triton'` cannot run this call: runs on gpu, not on cpu "
+                     "(on CPU set TRITON_INTERPRET=1 before the framework is imported)")
+#: The same, when the environment says interpret but Triton was loaded compiled: the
+#: module's own rule (it knows how Triton was loaded).
 TRITON_MSG = ("`implementation='triton'` cannot run this call: needs CUDA tensors, or "
               "TRITON_INTERPRET=1 set before triton is imported, to run on CPU. "
               "Received: q on cpu")
+#: Why "auto" passes over a GPU-only fast path on CPU, and over a small call.
+AUTO_GPU_ONLY = "'auto' takes it on gpu, not on cpu"
+AUTO_SMALL = "'auto' takes it from T * S >= 8192; this call has T * S = {}"
 
 needs_torch = pytest.mark.skipif(BACKEND != "torch", reason="a rule of the torch backend")
 needs_jax = pytest.mark.skipif(BACKEND != "jax", reason="the Pallas path runs on the jax backend")
@@ -95,17 +106,17 @@ def problem(seed=0, B=1, T=6, S=6, N=4, N_kv=2, d=8, d_v=8, G=2, R=2):
 
 
 def make_call(p=None, **overrides):
-    """The ``call`` dict ``dcmha_attention`` hands to the cores, on backend tensors."""
+    """The ``AttentionCall`` ``dcmha_attention`` hands to the cores, on backend tensors."""
     p = p or problem()
     t = ops.convert_to_tensor
-    call = dict(q=t(p["q"]), k=t(p["k"]), v=t(p["v"]), num_groups=p["G"],
-                pre={n: t(w) for n, w in p["pre"].items()},
-                post={n: t(w) for n, w in p["post"].items()}, attention_mask=None,
-                use_causal_mask=False, sliding_window=None, query_offset=0,
-                query_chunk_size=None, dropout_rate=0.0, seed=None, training=False,
-                return_attention_scores=False, return_intermediates=False, auto_chunk=True)
-    call.update(overrides)
-    return call
+    return dcall.describe(t(p["q"]), t(p["k"]), t(p["v"]), num_groups=p["G"],
+                          pre={n: t(w) for n, w in p["pre"].items()},
+                          post={n: t(w) for n, w in p["post"].items()}, **overrides)
+
+
+def refused(name, reason, end="$"):
+    """The exact (anchored) pattern of a forced implementation's refusal."""
+    return "^" + re.escape(f"`implementation={name!r}` cannot run this call: {reason}") + end
 
 
 def attention_kwargs(p):
@@ -151,13 +162,17 @@ def layer_mask(case, rng):
 def fast_path(name):
     """The fast-path module, or skip when it does not import here."""
     try:
-        return importlib.import_module(dops.FAST_PATHS[name][1])
+        return registry.get(name).load()
     except ImportError as e:
         pytest.skip(f"the {name!r} fast path does not import here: {e}")
 
 
+#: The built-in fast paths: every registered implementation but the plain core.
+FAST_PATHS = sorted(n for n in registry.implementations() if n != "ops")
+
+
 def own_fast_paths():
-    return [n for n, (backend, _) in dops.FAST_PATHS.items() if backend == BACKEND]
+    return [n for n in FAST_PATHS if registry.get(n).backend == BACKEND]
 
 
 # ---------------------------------------------------------------------------
@@ -184,17 +199,23 @@ def test_every_name_is_accepted_by_the_layer():
 
 
 def test_registry_names_backends_and_auto_order():
-    assert sorted(("auto",) + tuple(dops.IMPLEMENTATIONS) + tuple(dops.FAST_PATHS)) == NAMES
-    assert {n: b for n, (b, _) in dops.FAST_PATHS.items()} == {
-        "triton": "torch", "torch": "torch", "pallas": "jax", "xla": "tensorflow",
-        "jax_cpu": "jax", "tf_cpu": "tensorflow"}
-    for backend, order in dops.AUTO_ORDER.items():
-        assert all(dops.FAST_PATHS[n][0] == backend for n in order), (backend, order)
+    table = registry.implementations()
+    assert sorted(("auto",) + tuple(table)) == NAMES
+    assert {n: impl.backend for n, impl in table.items()} == {
+        "ops": "any", "triton": "torch", "torch": "torch", "pallas": "jax",
+        "xla": "tensorflow", "jax_cpu": "jax", "tf_cpu": "tensorflow"}
+    # "auto" tries this backend's fast paths by priority, then "ops" (a small eager call
+    # on CPU is taken by none of them, so explain lists them all).
+    assert [name for name, _ in registry.explain(make_call())] == AUTO_ORDER[BACKEND] + ["ops"]
+    for backend, order in AUTO_ORDER.items():
+        assert all(table[n].backend == backend for n in order), (backend, order)
+        priorities = [table[n].priority for n in order]
+        assert priorities == sorted(priorities, reverse=True), (backend, priorities)
 
 
-@pytest.mark.parametrize("name", sorted(dops.FAST_PATHS))
+@pytest.mark.parametrize("name", FAST_PATHS)
 def test_fast_path_on_another_backend_is_refused(name, reference_case, call_layer):
-    needs = dops.FAST_PATHS[name][0]
+    needs = registry.get(name).backend
     if needs == BACKEND:
         pytest.skip(f"{name!r} runs on this backend ({BACKEND})")
     message = (f"`implementation={name!r}` runs on the {needs!r} Keras backend. "
@@ -208,9 +229,9 @@ def test_fast_path_on_another_backend_is_refused(name, reference_case, call_laye
 
 def test_auto_takes_ops_or_a_fast_path_of_this_backend(chosen, reference_case):
     name, fn = dops.select_implementation("auto", make_call())
-    assert name in ("ops",) + dops.AUTO_ORDER.get(BACKEND, ())
-    if BACKEND not in dops.AUTO_ORDER:           # numpy: no fast path at all
-        assert (name, fn) == ("ops", dops._attention_ops)
+    assert name in ["ops"] + AUTO_ORDER[BACKEND]
+    if not AUTO_ORDER[BACKEND]:                  # numpy: no fast path at all
+        assert (name, fn) == ("ops", dops.attention)
     if BACKEND == "jax":     # CPU: Pallas would interpret; the call is too small for jax_cpu
         assert name == "ops"
     case, layers = make_layers(reference_case, "ops")
@@ -219,42 +240,48 @@ def test_auto_takes_ops_or_a_fast_path_of_this_backend(chosen, reference_case):
 
 
 def test_explicit_ops_is_the_plain_core():
-    assert dops.select_implementation("ops", make_call()) == ("ops", dops._attention_ops)
-    call = make_call(training=True, dropout_rate=0.5, return_intermediates=True)
-    assert dops.select_implementation("ops", call) == ("ops", dops._attention_ops)
+    assert dops.select_implementation("ops", make_call()) == ("ops", dops.attention)
+    call = make_call(training=True, dropout_rate=0.5, return_intermediates=True,
+                     return_attention_scores=True)
+    assert call.needs == {"dropout", "intermediates", "attention_scores"}
+    assert registry.get("ops").lacks == frozenset()
+    assert dops.select_implementation("ops", call) == ("ops", dops.attention)
 
 
 @pytest.mark.parametrize("what", ["dropout", "intermediates"])
-def test_own_fast_paths_refuse_dropout_and_intermediates(what):
+def test_own_fast_paths_refuse_dropout_and_intermediates(what, monkeypatch):
+    # Every fast path declares that it lacks both; the registry refuses them with the reason
+    # before the path's module is imported.
+    assert all({"dropout", "intermediates"} <= registry.get(n).lacks for n in FAST_PATHS)
     names = own_fast_paths()
     if not names:
         pytest.skip(f"the {BACKEND} backend has no fast path")
     over = (dict(training=True, dropout_rate=0.25) if what == "dropout"
             else dict(return_intermediates=True))
-    reason = ("has no attention dropout: dropout_rate=0.25 with training=True; use "
-              "implementation='ops'" if what == "dropout" else
-              "does not return intermediates (`return_intermediates=True`); use "
-              "implementation='ops'")
+    reason = ("the call needs attention dropout (dropout_rate=0.25 in training), which it "
+              "does not do" if what == "dropout" else
+              "the call needs the intermediates (return_intermediates=True), which it never "
+              "materialises")
+    call = make_call(**over)
+    assert call.needs == {what}
+    rows = dict(registry.explain(call))
     for name in names:
-        module = fast_path(name)
-        call = make_call(**over)
-        got = module.unsupported(call)
-        assert isinstance(got, str), name
-        if name not in WORDED_HERE:     # another module's wording: only that it refuses
-            with pytest.raises(ValueError, match="^" + re.escape(
-                    f"`implementation={name!r}` cannot run this call: ")):
-                dops.select_implementation(name, call)
-            continue
-        assert got == reason, name
-        with pytest.raises(ValueError, match="^" + re.escape(
-                f"`implementation={name!r}` cannot run this call: {reason}") + "$"):
+        impl = registry.get(name)
+        # A path that runs on CPU only under an environment setting (Triton's interpreter):
+        # set it, so that the capability is what refuses the call.
+        for key, value in impl.cpu_env.items():
+            monkeypatch.setenv(key, value)
+        with pytest.raises(ValueError, match=refused(name, reason)):
             dops.select_implementation(name, call)
-        # The same call is fine without the option, for the rule's own part.
-        if what == "dropout":
-            assert module.unsupported(make_call(training=False, dropout_rate=0.25)) != reason
-            assert module.unsupported(make_call(training=True, dropout_rate=0.0)) != reason
+        # "auto" passes over it with the same reason where it would consider it (CPU).
+        assert rows[name] == (reason if "cpu" in impl.auto_devices else AUTO_GPU_ONLY), name
+    # The same call is fine without the option, for the rule's own part.
+    if what == "dropout":
+        assert make_call(training=False, dropout_rate=0.25).needs == frozenset()
+        assert make_call(training=True, dropout_rate=0.0).needs == frozenset()
     # auto falls back to ops for them.
-    assert dops.select_implementation("auto", make_call(**over))[0] not in names
+    assert dops.select_implementation("auto", call)[0] == "ops"
+    assert list(rows) == AUTO_ORDER[BACKEND] + ["ops"] and rows["ops"] is None
 
 
 # ---------------------------------------------------------------------------
@@ -278,11 +305,18 @@ def test_importing_the_triton_path_does_not_import_triton():
 def test_triton_preferred_only_for_cuda_tensors_with_triton(monkeypatch, installed):
     kc = importlib.import_module("dcmha.backends.triton.keras_core")
     monkeypatch.setattr(kc, "_triton_installed", lambda: installed)
-    assert kc.preferred({"q": _fake_tensor("cuda")}) is installed
-    assert kc.preferred({"q": _fake_tensor("cpu")}) is False
-    assert kc.preferred({"q": _fake_tensor("meta")}) is False
+    on = lambda device: types.SimpleNamespace(q=_fake_tensor(device))  # noqa: E731
+    assert kc.preferred(on("cuda")) is installed
+    assert kc.preferred(on("cpu")) is False
+    assert kc.preferred(on("meta")) is False
     if BACKEND == "torch":
         assert kc.preferred(make_call()) is False          # a real CPU tensor
+
+
+def _fake_call(**kwargs):
+    """An ``AttentionCall`` on fake CUDA tensors (B=1, T=S=6, N=N_kv=4, d=8)."""
+    q = _fake_tensor("cuda")
+    return dcall.describe(q, q, q, **kwargs)
 
 
 @needs_torch
@@ -290,17 +324,22 @@ def test_auto_takes_triton_for_cuda_tensors(monkeypatch):
     kc = importlib.import_module("dcmha.backends.triton.keras_core")
     monkeypatch.setattr(kc, "_triton_installed", lambda: True)
     monkeypatch.setattr(kc, "_interpreting", lambda: False)
-    q = _fake_tensor("cuda")
-    call = dict(q=q, k=q, v=q, pre=None, post=None, query_offset=0, training=False,
-                dropout_rate=0.0, return_attention_scores=False, return_intermediates=False)
+    call = _fake_call()
     if "tensorflow" in sys.modules and "triton" not in sys.modules:
         pytest.skip("TensorFlow is imported in this process: Triton must not be imported")
+    assert registry.current_device(call) == "gpu"
     assert kc.unsupported(call) is None
     name, fn = dops.select_implementation("auto", call)
     assert (name, fn) == ("triton", kc.attention)
-    # Triton is tried first, but a call it cannot run goes on down the order.
-    call["training"], call["dropout_rate"] = True, 0.1
-    assert dops.select_implementation("auto", call)[0] != "triton"
+    assert registry.explain(call) == [("triton", None)]
+    # Triton is tried first, but a call it cannot run goes on down the order: "torch" is
+    # taken by "auto" on CPU only.
+    call = _fake_call(training=True, dropout_rate=0.1)
+    assert dops.select_implementation("auto", call)[0] == "ops"
+    assert registry.explain(call) == [
+        ("triton", "the call needs attention dropout (dropout_rate=0.1 in training), which it "
+                   "does not do"),
+        ("torch", "'auto' takes it on cpu, not on gpu"), ("ops", None)]
 
 
 @needs_torch
@@ -308,14 +347,10 @@ def test_auto_never_takes_triton_for_cpu_tensors(chosen, reference_case):
     before = "triton" in sys.modules
     call = make_call()
     name, _ = dops.select_implementation("auto", call)
-    assert name != "triton"
-    try:
-        native = importlib.import_module(dops.FAST_PATHS["torch"][1])
-    except ImportError:
-        native = None                 # no "torch" fast path (yet): auto must be "ops"
-    takes_native = (native is not None and native.unsupported(call) is None
-                    and native.preferred(call))
-    assert name == ("torch" if takes_native else "ops")
+    # Triton is GPU-only for "auto"; "torch" takes CPU calls from T * S = 8192 (this is 36).
+    assert name == "ops"
+    assert registry.explain(call) == [("triton", AUTO_GPU_ONLY), ("torch", AUTO_SMALL.format(36)),
+                                      ("ops", None)]
     case, layers = make_layers(reference_case, "ops")
     layer = DCMHA(**{**case["cfg"].to_dict(), "implementation": "auto"})
     layer.load_spec_weights(case["params"])
@@ -328,21 +363,34 @@ def test_auto_never_takes_triton_for_cpu_tensors(chosen, reference_case):
 
 @needs_torch
 def test_forced_triton_on_cpu_without_interpret_is_refused(monkeypatch, reference_case):
-    kernels = sys.modules.get("dcmha.backends.triton.dcmha_triton")
-    if kernels is not None and kernels._interpreting():
-        pytest.skip("Triton was loaded in interpret mode in this process")
+    # The registration's device rule reads the environment: no Triton import, whatever
+    # mode an earlier import of Triton in this process chose.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    before = "triton" in sys.modules
+    with pytest.raises(ValueError, match="^" + re.escape(TRITON_DEVICE_MSG) + "$"):
+        dops.select_implementation("triton", make_call())
+    p = problem()
+    with pytest.raises(ValueError, match="^" + re.escape(TRITON_DEVICE_MSG) + "$"):
+        dops.dcmha_attention(p["q"], p["k"], p["v"], num_groups=2, implementation="triton")
+    case, layers = make_layers(reference_case, "triton")
+    with pytest.raises(ValueError, match=re.escape(TRITON_DEVICE_MSG)):
+        layers["triton"](case["query"], case["query"])
+    if not before:
+        assert "triton" not in sys.modules
+
+
+@needs_torch
+def test_forced_triton_on_cpu_with_compiled_triton_is_refused(monkeypatch):
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kc = importlib.import_module("dcmha.backends.triton.keras_core")
+    # The environment says interpret, but Triton was loaded compiled (it fixes its mode
+    # when first imported): the module's rule, which knows the loaded mode, refuses.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kc, "_interpreting", lambda: False)
     before = "triton" in sys.modules
     with pytest.raises(ValueError, match="^" + re.escape(TRITON_MSG) + "$"):
         dops.select_implementation("triton", make_call())
-    p = problem()
-    with pytest.raises(ValueError, match="^" + re.escape(TRITON_MSG) + "$"):
-        dops.dcmha_attention(p["q"], p["k"], p["v"], num_groups=2, implementation="triton")
-    case, layers = make_layers(reference_case, "triton")
-    with pytest.raises(ValueError, match=re.escape(TRITON_MSG)):
-        layers["triton"](case["query"], case["query"])
     if not before:
         assert "triton" not in sys.modules
 
@@ -351,14 +399,15 @@ def test_forced_triton_on_cpu_without_interpret_is_refused(monkeypatch, referenc
 def test_triton_refuses_other_calls_it_cannot_run():
     kc = importlib.import_module("dcmha.backends.triton.keras_core")
     p = problem()
-    p["post"]["qw1"] = p["post"]["qw1"][:, :, :, :1]
-    p["post"]["qw2"] = p["post"]["qw2"][:, :, :, :1]
+    for name in ("qw1", "qw2", "kw1", "kw2"):       # the post stage at rank 1, pre at 2
+        p["post"][name] = p["post"][name][:, :, :, :1]
     assert kc.unsupported(make_call(p)) == (
         "takes one rank R for every dynamic projection. Received: ranks [1, 2]")
     offset = ops.convert_to_tensor(2.0)
-    assert kc.unsupported(make_call(query_offset=offset)) == (
-        "takes `query_offset` as an integer or an integer scalar tensor. Received: "
-        f"query_offset={offset!r}")
+    with pytest.raises(ValueError, match="^" + re.escape(    # refused once, for every path
+            "`query_offset` must be an integer or an integer scalar tensor. Received: "
+            "query_offset.shape=(), query_offset.dtype=float32") + "$"):
+        make_call(query_offset=offset)
 
 
 # ---------------------------------------------------------------------------
@@ -442,18 +491,30 @@ def test_forced_triton_decoding_matches_ops(reference_case, chosen):
 # ---------------------------------------------------------------------------
 
 @needs_jax
-@pytest.mark.parametrize("platform,expected", [("gpu", True), ("cpu", False), ("tpu", False)])
-def test_pallas_preferred_on_a_gpu_only(monkeypatch, platform, expected):
+@pytest.mark.parametrize("platform,expected", [
+    ("gpu", True), ("cpu", False), ("tpu", False)])
+def test_pallas_taken_by_auto_on_a_gpu_only(monkeypatch, platform, expected):
     import jax
 
     kc = fast_path("pallas")
     monkeypatch.setattr(jax, "default_backend", lambda: platform)
     call = make_call()
     assert kc.unsupported(call) is None
-    assert kc.preferred(call) is expected
+    assert not hasattr(kc, "preferred")              # the device rule is declared
+    assert registry.get("pallas").auto_devices == {"gpu"}
     assert dops.select_implementation("auto", call)[0] == ("pallas" if expected else "ops")
-    # A concrete array offset would compile new kernels for every value: not preferred.
-    assert kc.preferred(make_call(query_offset=jax.numpy.asarray(2))) is False
+    if platform == "gpu":
+        assert registry.explain(call) == [("pallas", None)]
+    # A concrete array offset would compile new kernels for every value: not preferred,
+    # and the registration declares that it takes the offset only as an int.
+    offset_call = make_call(query_offset=jax.numpy.asarray(2), use_causal_mask=True)
+    assert "traced_offset" in offset_call.needs & registry.get("pallas").lacks
+    if platform == "gpu":
+        assert registry.explain(offset_call) == [
+            ("pallas", "the call needs a query_offset that is a tensor (e.g. a "
+                       "cache_update_index inside a traced function), which it takes only as "
+                       "an int"),
+            ("jax_cpu", "'auto' takes it on cpu, not on gpu"), ("ops", None)]
 
 
 @needs_jax
@@ -524,10 +585,10 @@ def test_pallas_refuses_a_traced_offset_and_auto_falls_back(chosen):
         return dops.dcmha_attention(p["q"], p["k"], p["v"], num_groups=2, use_causal_mask=True,
                                     query_offset=offset, implementation=name)
 
-    with pytest.raises(ValueError, match="^" + re.escape(
-            "`implementation='pallas'` cannot run this call: takes `query_offset` as a static "
-            "integer, but it is traced (e.g. a cache_update_index inside jax.jit); use "
-            "implementation='ops'. Received: query_offset=") + r"\w*Tracer\("):
+    with pytest.raises(ValueError, match=refused(
+            "pallas", "the call needs a query_offset that is a tensor (e.g. a "
+                      "cache_update_index inside a traced function), which it takes only as "
+                      "an int", end=r"(\n|$)")):   # jax.jit appends a note on a new line
         jax.jit(lambda i: run(i, "pallas"))(2)
     auto = jax.jit(lambda i: run(i, "auto"))(2)
     assert chosen[-1] == "ops"
@@ -588,9 +649,8 @@ def test_forced_xla_with_a_decode_cache_is_refused(reference_case, chosen):
 
     case, layers = make_layers(reference_case, "xla", T=7)
     x = case["query"]
-    message = ("`implementation='xla'` cannot run this call: has no `query_offset` (decoding "
-               "with a cache_update_index): its causal mask and sliding window put query 0 at "
-               "position 0; use implementation='ops'. Received: query_offset=4")
+    message = ("`implementation='xla'` cannot run this call: the call needs query_offset=4 "
+               "with a causal mask or window, which it does not take")
     cache = layers["xla"].init_cache(1, 8)
     _, cache = layers["xla"](x[:, :4], x[:, :4], use_causal_mask=True, cache=cache,
                              cache_update_index=0)             # offset 0: XLA runs it
@@ -613,10 +673,18 @@ def test_forced_xla_with_a_decode_cache_is_refused(reference_case, chosen):
 @needs_tf
 def test_xla_ignores_an_offset_without_causal_mask_or_window():
     kc = fast_path("xla")
+    assert "query_offset" in registry.get("xla").lacks
+    # A query offset matters only with a causal mask or a window.
+    assert make_call(query_offset=3).needs == frozenset()
+    assert make_call(query_offset=3, use_causal_mask=True).needs == {"query_offset"}
+    assert make_call(query_offset=3, sliding_window=2).needs == {"query_offset"}
+    assert make_call(query_offset=0, use_causal_mask=True).needs == frozenset()
     assert kc.unsupported(make_call(query_offset=3)) is None
-    assert kc.unsupported(make_call(query_offset=3, use_causal_mask=True)) is not None
-    assert kc.unsupported(make_call(query_offset=3, sliding_window=2)) is not None
-    assert kc.unsupported(make_call(query_offset=0, use_causal_mask=True)) is None
+    assert dops.select_implementation("xla", make_call(query_offset=3)) == ("xla", kc.attention)
+    with pytest.raises(ValueError, match=refused(
+            "xla", "the call needs query_offset=3 with a causal mask or window, which it does "
+                   "not take")):
+        dops.select_implementation("xla", make_call(query_offset=3, sliding_window=2))
     p = problem()
     want = dops.dcmha_attention(p["q"], p["k"], p["v"], num_groups=2, pre=p["pre"],
                                 query_offset=3, implementation="ops")

@@ -164,17 +164,18 @@ def _qkv(T=4, S=5, N=4, N_kv=2, d=8):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(num_groups=3), "`num_groups` must be a positive divisor of the 4 query heads. "
+    (dict(num_groups=3), "`num_groups` must divide the number of heads N=4. "
                          "Received: num_groups=3"),
     (dict(num_groups=2, mask=jnp.ones((1, 4, 4), bool)),
-     "`mask` must have shape (B, T, S) = (1, 4, 5). Received: mask.shape=(1, 4, 4)"),
+     "`mask` must broadcast to (B, T, S) = (1, 4, 5). Received: mask.shape=(1, 4, 4)"),
     (dict(num_groups=2, pre={"qw1": jnp.zeros((1, 4, 2, 2, 2))}),
-     "`pre` needs both qw1 and qw2 or neither. Received keys ['qw1']"),
+     "`pre` must have both 'qw1' and 'qw2' or neither. Received: ['qw1']"),
     (dict(num_groups=2, post={"kdd": jnp.zeros((1, 4, 2, 2))}),
-     "`post['kdd']` must have shape (1, 5, 2, 2). Received: (1, 4, 2, 2)"),
+     "`post['kdd']` must have shape (B, S, G, M) = (1, 5, 2, 2). "
+     "Received: post['kdd'].shape=(1, 4, 2, 2)"),
     (dict(num_groups=2, pre={"gate": jnp.zeros(3)}),
-     "`pre` keys must be among ('qw1', 'qw2', 'kw1', 'kw2', 'qdd', 'kdd', 'static'). "
-     "Received unknown keys ['gate']"),
+     "`pre` has unknown compose terms ['gate']. Expected a subset of "
+     "['kdd', 'kw1', 'kw2', 'qdd', 'qw1', 'qw2', 'static']"),
     (dict(num_groups=2, sliding_window=0),
      "`sliding_window` must be None or a positive integer. Received: sliding_window=0"),
     (dict(num_groups=2, block_q=16, block_sizes=None), None),
@@ -193,11 +194,12 @@ def test_argument_validation(kwargs, message):
 
 def test_argument_validation_shapes_and_blocks():
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=r"`k` must have shape \(B, S, N_kv, d\) = "
-                                         r"\(1, S, N_kv, 8\)\. Received: k.shape=\(1, 5, 2, 6\)"):
+    with pytest.raises(ValueError, match=r"`q` and `k` must have the same head size d\. "
+                                         r"Received: q.shape=\(1, 4, 4, 8\), "
+                                         r"k.shape=\(1, 5, 2, 6\)"):
         pb.dcmha_attention(q, jnp.zeros((1, 5, 2, 6)), v, num_groups=1)
-    with pytest.raises(ValueError, match=r"The number of query heads must be a multiple of the "
-                                         r"kv heads\. Received: q heads=4, kv heads=3"):
+    with pytest.raises(ValueError, match=r"The heads of `q` \(N=4\) must be a multiple of the "
+                                         r"heads of `k` \(N_kv=3\)\. Received: "):
         pb.dcmha_attention(q, jnp.zeros((1, 5, 3, 8)), jnp.zeros((1, 5, 3, 8)), num_groups=1)
     with pytest.raises(ValueError, match=r"Pass either `block_sizes` or `block_q`/`block_k`"):
         pb.dcmha_attention(q, k, v, num_groups=1, block_q=16, block_sizes=pb.BlockSizes())

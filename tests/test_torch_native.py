@@ -323,21 +323,28 @@ def test_empty_sizes(B, T, S):
 
 def test_argument_errors():
     q, k, v = torch.zeros(1, 3, 4, 8), torch.zeros(1, 5, 2, 8), torch.zeros(1, 5, 2, 8)
-    with pytest.raises(ValueError, match=r"`num_groups` must be a positive divisor of the number "
-                                         r"of heads 4\. Received: num_groups=3"):
+    with pytest.raises(ValueError, match=r"`num_groups` must divide the number of heads N=4\. "
+                                         r"Received: num_groups=3"):
         tn.dcmha_attention(q, k, v, num_groups=3)
-    with pytest.raises(ValueError, match=r"`pre\['qdd'\]` must have shape \(1, 3, 2, 2\)\. "
-                                         r"Received: \(1, 3, 2\)"):
+    with pytest.raises(ValueError, match=r"`pre\['qdd'\]` must have shape \(B, T, G, M\) = "
+                                         r"\(1, 3, 2, 2\)\. Received: pre\['qdd'\]\.shape="
+                                         r"\(1, 3, 2\)"):
         tn.dcmha_attention(q, k, v, num_groups=2, pre={"qdd": torch.zeros(1, 3, 2)})
-    with pytest.raises(ValueError, match=r"`post` must give both or neither of 'kw1' and 'kw2'"):
+    with pytest.raises(ValueError, match=r"`post` must have both 'kw1' and 'kw2' or neither"):
         tn.dcmha_attention(q, k, v, num_groups=1, post={"kw1": torch.zeros(1, 5, 1, 2, 4)})
-    with pytest.raises(ValueError, match=r"`pre` has unknown keys \['w1'\]"):
+    with pytest.raises(ValueError, match=r"`pre` has unknown compose terms \['w1'\]"):
         tn.dcmha_attention(q, k, v, num_groups=1, pre={"w1": None})
-    with pytest.raises(TypeError, match=r"`mask` must be None or a bool tensor"):
+    with pytest.raises(TypeError, match=r"`mask` must be boolean \(True = attend\) or integer"):
         tn.dcmha_attention(q, k, v, num_groups=1, mask=torch.ones(1, 3, 5))
+    with pytest.raises(TypeError, match=r"`mask` must be None or a bool tensor \(True = attend\)\. "
+                                        r"Received: mask\.dtype=torch\.int32"):
+        tn.dcmha_attention(q, k, v, num_groups=1, mask=torch.ones(1, 3, 5, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"`mask` must broadcast to \(B, T, S\) = \(1, 3, 5\)\. "
-                                         r"Received: mask=\(1, 3, 4\)"):
+                                         r"Received: mask\.shape=\(1, 3, 4\)"):
         tn.dcmha_attention(q, k, v, num_groups=1, mask=torch.ones(1, 3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"`mask` must broadcast to \(B, T, S\) = \(1, 3, 5\): "
+                                         r"the fused kernels take one mask shared by all heads"):
+        tn.dcmha_attention(q, k, v, num_groups=1, mask=torch.ones(1, 4, 3, 5, dtype=torch.bool))
     with pytest.raises(TypeError, match=r"`q`, `k` and `v` must share one dtype"):
         tn.dcmha_attention(q.half(), k, v, num_groups=1)
     with pytest.raises(ValueError, match=r"`query_offset` must be a non-negative integer\. "
@@ -390,8 +397,11 @@ def test_registry_contract():
             dops.select_implementation("torch", call)
     assert _call(*small, dropout_rate=0.1, training=False).needs == frozenset()
     assert keras_core.unsupported(_call(*small, query_offset=torch.tensor(3))) is None
-    assert keras_core.unsupported(_call(*small, query_offset=torch.tensor(1.5))) == (
-        "query_offset must be an integer or an integer scalar tensor")
+    assert keras_core._offset(torch.tensor(3)) == 3
+    with pytest.raises(ValueError, match=r"^`query_offset` must be an integer or an integer "
+                                         r"scalar tensor\. Received: query_offset\.shape=\(\), "
+                                         r"query_offset\.dtype=float32$"):
+        _call(*small, query_offset=torch.tensor(1.5))
     with pytest.raises(ValueError, match="^`query_offset` must be a non-negative integer"):
         _call(*small, query_offset=1.5)
     rows = registry.explain(_call(*small))               # T * S below the threshold

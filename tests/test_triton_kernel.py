@@ -165,23 +165,27 @@ def test_block_sizes_and_argument_errors():
                                          r"Received: block_q=12"):
         tb.BlockSizes(block_q=12)
     q, k, v = torch.zeros(1, 3, 4, 8), torch.zeros(1, 5, 2, 8), torch.zeros(1, 5, 2, 8)
-    with pytest.raises(ValueError, match=r"`num_groups` must be a positive divisor of the number "
-                                         r"of heads 4\. Received: num_groups=3"):
+    with pytest.raises(ValueError, match=r"`num_groups` must divide the number of heads N=4\. "
+                                         r"Received: num_groups=3"):
         tb.dcmha_attention(q, k, v, num_groups=3)
-    with pytest.raises(ValueError, match=r"`pre\['qdd'\]` must have shape \(1, 3, 2, 2\)\. "
-                                         r"Received: \(1, 3, 2\)"):
+    with pytest.raises(ValueError, match=r"`pre\['qdd'\]` must have shape \(B, T, G, M\) = "
+                                         r"\(1, 3, 2, 2\)\. Received: pre\['qdd'\]\.shape="
+                                         r"\(1, 3, 2\)"):
         tb.dcmha_attention(q, k, v, num_groups=2, pre={"qdd": torch.zeros(1, 3, 2)})
-    with pytest.raises(ValueError, match=r"`post` must give both or neither of 'kw1' and 'kw2'"):
+    with pytest.raises(ValueError, match=r"`post` must have both 'kw1' and 'kw2' or neither"):
         tb.dcmha_attention(q, k, v, num_groups=1, post={"kw1": torch.zeros(1, 5, 1, 2, 4)})
-    with pytest.raises(ValueError, match=r"`pre` has unknown keys \['w1'\]"):
+    with pytest.raises(ValueError, match=r"`pre` has unknown compose terms \['w1'\]"):
         tb.dcmha_attention(q, k, v, num_groups=1, pre={"w1": None})
-    with pytest.raises(TypeError, match=r"`mask` must be None or a bool tensor"):
+    with pytest.raises(TypeError, match=r"`mask` must be boolean \(True = attend\) or integer"):
         tb.dcmha_attention(q, k, v, num_groups=1, mask=torch.ones(1, 3, 5))
     with pytest.raises(ValueError, match=r"`mask` must broadcast to \(B, T, S\) = \(1, 3, 5\)\. "
-                                         r"Received: mask=\(1, 3, 4\)"):
+                                         r"Received: mask\.shape=\(1, 3, 4\)"):
         tb.dcmha_attention(q, k, v, num_groups=1, mask=torch.ones(1, 3, 4, dtype=torch.bool))
     with pytest.raises(TypeError, match=r"`q`, `k` and `v` must share one dtype"):
         tb.dcmha_attention(q.half(), k, v, num_groups=1)
+    with pytest.raises(TypeError, match=r"`q` must be float32, float16 or bfloat16\. "
+                                        r"Received: q\.dtype=torch\.float64"):
+        tb.dcmha_attention(q.double(), k.double(), v.double(), num_groups=1)
     with pytest.raises(ValueError, match=r"`interpret=False` does not match this process"):
         tb.dcmha_attention(q, k, v, num_groups=1, interpret=False)
 

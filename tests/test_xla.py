@@ -23,6 +23,7 @@ from dcmha.backends import xla  # noqa: E402
 from dcmha.backends.xla import dcmha_xla  # noqa: E402
 from dcmha.spec import reference as ref  # noqa: E402
 from dcmha.spec import reference_grad as ref_grad  # noqa: E402
+from dcmha.spec import terms as spec_terms  # noqa: E402
 
 TERMS = {"qw": ("qw1", "qw2"), "kw": ("kw1", "kw2"), "qdd": ("qdd",), "kdd": ("kdd",),
          "static": ("static",)}
@@ -38,14 +39,13 @@ def make_problem(seed=0, B=2, T=6, S=7, N=4, N_kv=4, G=1, R=2, d=8, d_v=6, pre=A
     """Random q, k, v, compose terms (float64) and an optional (B, T, S) mask."""
     rng = np.random.default_rng(seed)
     M = N // G
-    shapes = {"qw1": (B, T, G, R, M), "qw2": (B, T, G, R, M), "kw1": (B, S, G, R, M),
-              "kw2": (B, S, G, R, M), "qdd": (B, T, G, M), "kdd": (B, S, G, M),
-              "static": (G, M, M)}
+    sizes = dict(B=B, T=T, S=S, G=G, R=R, M=M)
 
     def stage(terms):
         if terms is None:
             return None
-        return {n: rng.normal(size=shapes[n]) * 0.4 for t in terms for n in TERMS[t]}
+        return {n: rng.normal(size=spec_terms.term_shape(n, sizes)) * 0.4
+                for t in terms for n in TERMS[t]}
 
     p = dict(q=rng.normal(size=(B, T, N, d)), k=rng.normal(size=(B, S, N_kv, d)),
              v=rng.normal(size=(B, S, N_kv, d_v)), pre=stage(pre), post=stage(post),
@@ -342,17 +342,18 @@ def _args(**over):
 @pytest.mark.parametrize("fn", [xla.dcmha_attention, xla.dcmha_attention_reference])
 @pytest.mark.parametrize("over,exc,msg", [
     (dict(q=tf.zeros([2, 6, 4])), ValueError,
-     "`q` must be a rank-4 tensor (B, L, heads, head_dim). Received: q.shape=(2, 6, 4)"),
+     "`q` must have rank 4 (B, T, N, d). Received: q.shape=(2, 6, 4)"),
     (dict(k=tf.zeros([2, 7, 4, 5])), ValueError,
-     "`k` must have shape (B, S, N_kv, d) = (2, ?, ?, 8). Received: k.shape=(2, 7, 4, 5)"),
+     "`q` and `k` must have the same head size d. Received: q.shape=(2, 6, 4, 8), "
+     "k.shape=(2, 7, 4, 5)"),
     (dict(v=tf.zeros([2, 5, 4, 6])), ValueError,
-     "`v` must have shape (B, S, N_kv, d_v) = (2, 7, 4, ?). Received: v.shape=(2, 5, 4, 6)"),
+     "`k` and `v` must have the same batch, length and heads (B, S, N_kv). "
+     "Received: k.shape=(2, 7, 4, 8), v.shape=(2, 5, 4, 6)"),
     (dict(k=tf.zeros([2, 7, 3, 8]), v=tf.zeros([2, 7, 3, 6])), ValueError,
-     "The number of query heads must be divisible by the number of key/value heads. "
-     "Received: num_heads=4, num_key_value_heads=3"),
+     "The heads of `q` (N=4) must be a multiple of the heads of `k` (N_kv=3). "
+     "Received: q.shape=(2, 6, 4, 8), k.shape=(2, 7, 3, 8)"),
     (dict(num_groups=3), ValueError,
-     "The number of query heads must be divisible by `num_groups`. Received: num_heads=4, "
-     "num_groups=3"),
+     "`num_groups` must divide the number of heads N=4. Received: num_groups=3"),
     (dict(num_groups=0), ValueError,
      "`num_groups` must be a positive integer. Received: num_groups=0"),
     (dict(sliding_window=0), ValueError,
@@ -362,10 +363,10 @@ def _args(**over):
     (dict(scale=float("nan")), ValueError,
      "`scale` must be None or a finite number. Received: scale=nan"),
     (dict(pre={"qw3": tf.zeros([1])}), ValueError,
-     "`pre` has unknown compose terms ['qw3']; expected a subset of "
-     "['qw1', 'qw2', 'kw1', 'kw2', 'qdd', 'kdd', 'static']"),
+     "`pre` has unknown compose terms ['qw3']. Expected a subset of "
+     "['kdd', 'kw1', 'kw2', 'qdd', 'qw1', 'qw2', 'static']"),
     (dict(post={"kw1": tf.zeros([2, 7, 1, 2, 4])}), ValueError,
-     "`post` must hold both or neither of 'kw1' and 'kw2'. Received keys: ['kw1']"),
+     "`post` must have both 'kw1' and 'kw2' or neither. Received: ['kw1']"),
     (dict(pre={"qdd": tf.zeros([2, 7, 1, 4])}), ValueError,
      "`pre['qdd']` must have shape (B, T, G, M) = (2, 6, 1, 4). "
      "Received: pre['qdd'].shape=(2, 7, 1, 4)"),
@@ -377,10 +378,12 @@ def _args(**over):
      "Received: pre['kw2'].shape=(2, 7, 1, 3, 4)"),
     (dict(pre=[1]), TypeError, "`pre` must be None or a dict of compose terms. Received: list"),
     (dict(mask=tf.ones([2, 6, 7], tf.float32)), TypeError,
-     "`mask` must be boolean (True = attend). Received: dtype=float32"),
+     "`mask` must be boolean (True = attend) or integer (1 = attend). "
+     "Received: mask.dtype=float32"),
+    (dict(mask=tf.ones([2, 6, 7], tf.int32)), TypeError,
+     "`mask` must be boolean (True = attend). Received: dtype=int32"),
     (dict(mask=tf.ones([2, 6, 5], tf.bool)), ValueError,
-     "`mask` must have shape (B, T, S) = (2, 6, 7) (or broadcast to it). "
-     "Received: mask.shape=(2, 6, 5)"),
+     "`mask` must broadcast to (B, T, S) = (2, 6, 7). Received: mask.shape=(2, 6, 5)"),
     (dict(q=tf.zeros([2, 6, 4, 8], tf.int32)), TypeError,
      "`q` must be a floating tensor. Received: dtype=int32"),
 ])

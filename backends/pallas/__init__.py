@@ -36,7 +36,7 @@ __getattr__ = lazy_attributes(__name__, "dcmha_pallas",
 
 IMPLEMENTATION = Implementation(
     name="pallas", backend="jax", module="dcmha.backends.pallas.keras_core",
-    devices=frozenset({"cpu", "gpu"}), auto_devices=frozenset({"gpu"}),
+    devices=frozenset({"cpu", "gpu", "tpu"}), auto_devices=frozenset({"gpu"}),
     lacks=frozenset({"intermediates", "dropout", "head_masks", "traced_offset",
                      "symbolic_shapes"}),
     priority=20,

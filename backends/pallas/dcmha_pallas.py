@@ -59,14 +59,20 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from dcmha.spec import terms as spec_terms
+
+from .. import kernel_call
+
 __all__ = ["BlockSizes", "dcmha_attention", "dcmha_attention_reference", "TERMS"]
 
-#: Names of the compose terms a ``pre`` / ``post`` dict may hold.
-TERMS = ("qw1", "qw2", "kw1", "kw2", "qdd", "kdd", "static")
+#: Names of the compose terms a ``pre`` / ``post`` dict may hold (``dcmha.spec.terms``).
+TERMS = spec_terms.TERM_NAMES
 _STAGES = ("pre", "post")
-# Initial running max of the online softmax: finite, so a row that is masked so
-# far gives exp(0) * 0 corrections instead of inf - inf.
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+# The masked-score fill of the row maximum, also the running max's start
+# (``dcmha.spec.terms.MASKED_SCORE``): finite, so a row that is masked so far
+# gives exp(0) * 0 corrections instead of inf - inf. Masked probabilities are
+# zeroed by where(), not by exp() of the fill.
+_MASKED = spec_terms.MASKED_SCORE
 # tl.dot needs every dimension >= 16 on a GPU.
 _MIN_GPU_DIM = 16
 
@@ -252,7 +258,11 @@ def _valid(opts, refs, t0, s0, bq, bk, mask_rows, mask_cols):
 
 
 def _key_range(opts, t0, bq, bk, n_k):
-    """[lo, hi) of the key tiles that can hold an allowed entry for rows [t0, t0 + bq)."""
+    """[lo, hi) of the key tiles that can hold an allowed entry for rows [t0, t0 + bq).
+
+    ``dcmha.spec.terms.key_range`` in tiles, written with lax ops because t0 is
+    traced (the kernel's program id).
+    """
     lo, hi = 0, n_k
     first = t0 + opts.offset           # absolute positions of the first and last row
     last = first + bq - 1
@@ -265,7 +275,10 @@ def _key_range(opts, t0, bq, bk, n_k):
 
 
 def _query_range(opts, s0, bq, bk, n_q):
-    """[lo, hi) of the query tiles that can hold an allowed entry for keys [s0, s0 + bk)."""
+    """[lo, hi) of the query tiles that can hold an allowed entry for keys [s0, s0 + bk).
+
+    The converse of ``dcmha.spec.terms.key_range`` (same causal / window rule), in tiles.
+    """
     lo, hi = 0, n_q
     s0 = s0 - opts.offset              # key positions relative to query row 0
     if opts.causal:                    # rows t >= s0
@@ -741,65 +754,21 @@ def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _check_inputs(q, k, v, num_groups, pre, post, mask, sliding_window, scale, query_offset):
-    """Validate shapes; returns (B, T, S, N, N_kv, d, d_v, G, M) and the clean stages."""
+def _check_inputs(q, k, v, num_groups, pre, post, mask, causal, sliding_window, scale,
+                  query_offset):
+    """Validate the arguments (``kernel_call.describe`` and JAX dtypes); returns the
+    ``dcmha.call.AttentionCall`` and the stages {"pre": terms, "post": terms} in TERMS order."""
+    call = kernel_call.describe(q, k, v, num_groups=num_groups, pre=pre, post=post, mask=mask,
+                                causal=causal, sliding_window=sliding_window,
+                                query_offset=query_offset)
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if getattr(x, "ndim", None) != 4:
-            raise ValueError(f"`{name}` must have rank 4 (B, L, heads, dim). "
-                             f"Received: {name}.shape={getattr(x, 'shape', None)}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"`{name}` must be a floating array. Received: {name}.dtype={x.dtype}")
-    B, T, N, d = q.shape
-    S, N_kv = k.shape[1], k.shape[2]
-    if k.shape[0] != B or k.shape[3] != d:
-        raise ValueError(f"`k` must have shape (B, S, N_kv, d) = ({B}, S, N_kv, {d}). "
-                         f"Received: k.shape={k.shape}")
-    if v.shape[:3] != (B, S, N_kv):
-        raise ValueError(f"`v` must have shape ({B}, {S}, {N_kv}, d_v). "
-                         f"Received: v.shape={v.shape}")
-    if N % N_kv:
-        raise ValueError(f"The number of query heads must be a multiple of the kv heads. "
-                         f"Received: q heads={N}, kv heads={N_kv}")
-    if (not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups <= 0
-            or N % num_groups):
-        raise ValueError(f"`num_groups` must be a positive divisor of the {N} query heads. "
-                         f"Received: num_groups={num_groups!r}")
-    if sliding_window is not None and (not isinstance(sliding_window, int)
-                                       or isinstance(sliding_window, bool) or sliding_window <= 0):
-        raise ValueError(f"`sliding_window` must be None or a positive integer. "
-                         f"Received: sliding_window={sliding_window!r}")
-    if not isinstance(query_offset, int) or isinstance(query_offset, bool) or query_offset < 0:
-        raise ValueError(f"`query_offset` must be a non-negative Python int. "
-                         f"Received: query_offset={query_offset!r}")
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"`scale` must be None or a Python number. Received: scale={scale!r}")
-    G, M = num_groups, N // num_groups
-    if mask is not None and tuple(mask.shape) != (B, T, S):
-        raise ValueError(f"`mask` must have shape (B, T, S) = ({B}, {T}, {S}). "
-                         f"Received: mask.shape={tuple(mask.shape)}")
-    stages = {}
-    for st, terms in (("pre", pre), ("post", post)):
-        terms = dict(terms or {})
-        unknown = sorted(set(terms) - set(TERMS))
-        if unknown:
-            raise ValueError(f"`{st}` keys must be among {TERMS}. Received unknown keys {unknown}")
-        for side in "qk":
-            if (side + "w1" in terms) != (side + "w2" in terms):
-                raise ValueError(f"`{st}` needs both {side}w1 and {side}w2 or neither. "
-                                 f"Received keys {sorted(terms)}")
-        for n, x in terms.items():
-            L = T if n[0] == "q" else S
-            if n == "static":
-                want = (G, M, M)
-            elif n.endswith("dd"):
-                want = (B, L, G, M)
-            else:
-                want = (B, L, G, terms[n[0] + "w1"].shape[3], M)
-            if tuple(x.shape) != want:
-                raise ValueError(f"`{st}[{n!r}]` must have shape {want}. "
-                                 f"Received: {tuple(x.shape)}")
-        stages[st] = {n: terms[n] for n in TERMS if n in terms}
-    return (B, T, S, N, N_kv, d, v.shape[3], G, M), stages
+    stages = {st: {n: terms[n] for n in TERMS if n in terms}
+              for st, terms in (("pre", call.pre or {}), ("post", call.post or {}))}
+    return call, stages
 
 
 def _default_interpret() -> bool:
@@ -822,7 +791,7 @@ def dcmha_attention(q, k, v, *, num_groups: int, pre: Optional[Mapping[str, Any]
       pre, post: None (stage off) or a dict with any of "qw1", "qw2" (B, T, G, R, M),
         "kw1", "kw2" (B, S, G, R, M), "qdd" (B, T, G, M), "kdd" (B, S, G, M),
         "static" (G, M, M); an absent key is a term switched off.
-      mask: None or bool (B, T, S), True = attend (shared by the heads).
+      mask: None or bool, broadcastable to (B, T, S), True = attend (shared by the heads).
       causal: attend to s <= t + query_offset. sliding_window: W, attend to
         |t + query_offset - s| < W.
       scale: score scale, default 1 / sqrt(d).
@@ -840,9 +809,10 @@ def dcmha_attention(q, k, v, *, num_groups: int, pre: Optional[Mapping[str, Any]
       are exactly 0; a fully masked row gives 0. Differentiable w.r.t. q, k, v and
       every pre/post array.
     """
-    dims, stages = _check_inputs(q, k, v, num_groups, pre, post, mask, sliding_window, scale,
-                                 query_offset)
-    B, T, S, N, N_kv, d, d_v, G, M = dims
+    call, stages = _check_inputs(q, k, v, num_groups, pre, post, mask, causal, sliding_window,
+                                 scale, query_offset)
+    B, T, S, N, N_kv, d, d_v, G, M = (call.B, call.T, call.S, call.N, call.N_kv, call.d, call.d_v,
+                                      call.G, call.M)
     if block_sizes is not None and (block_q is not None or block_k is not None):
         raise ValueError("Pass either `block_sizes` or `block_q`/`block_k`, not both. Received: "
                          f"block_sizes={block_sizes!r}, block_q={block_q!r}, block_k={block_k!r}")
@@ -867,7 +837,7 @@ def dcmha_attention(q, k, v, *, num_groups: int, pre: Optional[Mapping[str, Any]
                   for st, terms in stages.items() for side in "qk" if side + "w1" in terms)
     opts = _Opts(T=T, S=S, G=G, M=M, rep=N // N_kv,
                  scale=float(1.0 / math.sqrt(d) if scale is None else scale),
-                 causal=bool(causal), window=sliding_window, offset=int(query_offset),
+                 causal=call.use_causal_mask, window=sliding_window, offset=call.static_offset,
                  has_mask=mask is not None, pre=tuple(stages["pre"]),
                  post=tuple(stages["post"]), ranks=ranks, blocks=blocks,
                  scores=bool(return_attention_scores), interpret=interpret)
@@ -889,7 +859,8 @@ def dcmha_attention(q, k, v, *, num_groups: int, pre: Optional[Mapping[str, Any]
     terms = {st: {n: term_layout(n, x) for n, x in ts.items()} for st, ts in stages.items()}
     mask_k = None
     if mask is not None:
-        mask_k = jnp.pad(jnp.asarray(mask).astype(jnp.int8), ((0, 0), (0, T_p - T), (0, S_p - S)))
+        mask_k = jnp.broadcast_to(kernel_call.shared_mask(jnp.asarray(mask)), (B, T, S))
+        mask_k = jnp.pad(mask_k.astype(jnp.int8), ((0, 0), (0, T_p - T), (0, S_p - S)))
     out = _fused(opts, heads_major(q, T_p, d_p), heads_major(k, S_p, d_p),
                  heads_major(v, S_p, dv_p), terms, mask_k)
     o = out[0] if opts.scores else out
@@ -935,9 +906,9 @@ def dcmha_attention_reference(q, k, v, *, num_groups: int, pre=None, post=None, 
     unknown = set(unused_tiling) - {"block_q", "block_k", "block_sizes", "interpret"}
     if unknown:
         raise TypeError(f"Unexpected arguments: {sorted(unknown)}")
-    dims, stages = _check_inputs(q, k, v, num_groups, pre, post, mask, sliding_window, scale,
-                                 query_offset)
-    B, T, S, N, N_kv, d, d_v, G, M = dims
+    call, stages = _check_inputs(q, k, v, num_groups, pre, post, mask, causal, sliding_window,
+                                 scale, query_offset)
+    B, T, S, N, N_kv, d, G = call.B, call.T, call.S, call.N, call.N_kv, call.d, call.G
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     rep = N // N_kv
     k_h = jnp.repeat(k.astype(jnp.float32), rep, axis=2)
@@ -946,7 +917,7 @@ def dcmha_attention_reference(q, k, v, *, num_groups: int, pre=None, post=None, 
                    precision=lax.Precision.HIGHEST) * scale
     if stages["pre"]:
         a = _compose_reference(a, G, **stages["pre"])
-    t = query_offset + jnp.arange(T)[:, None]
+    t = call.static_offset + jnp.arange(T)[:, None]
     s = jnp.arange(S)[None, :]
     allowed = jnp.ones((B, T, S), bool)
     if mask is not None:

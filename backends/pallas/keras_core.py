@@ -13,12 +13,11 @@ Rules:
 * Declared (the registration): no dropout in training, no intermediates, no
   per-head masks, no traced ``query_offset`` (e.g. a ``cache_update_index`` inside
   ``jax.jit``: the kernels take the offset as a static int).
-* ``unsupported(call)`` (a reason, or None): JAX without Pallas; a
-  ``query_offset`` that is not an integer scalar.
-* ``preferred(call)``: ``jax.default_backend() == "gpu"``, where the kernels
-  compile through Triton, with a static ``query_offset`` (a Python int: a
-  concrete array offset would compile new kernels for every value, e.g. at every
-  eager decoding step). The tiles then always fit: the kernel rounds each
+* ``unsupported(call)`` (a reason, or None): JAX without Pallas.
+* ``"auto"`` takes it (declared: ``auto_devices={"gpu"}`` and no tensor offsets)
+  on a GPU, where the kernels compile through Triton, with a static
+  ``query_offset`` (a Python int: a concrete array offset would compile new
+  kernels for every value, e.g. at every eager decoding step). The tiles then always fit: the kernel rounds each
   block up to a power of two of at least 16 (``tl.dot``'s minimum) and pads
   the sequences and head dims to them. Not on TPU: the kernels lower only
   through Triton, so on a TPU they would run in interpret mode (slow). Not on
@@ -36,46 +35,14 @@ mask is broadcast here; fully masked rows give zeros.
 
 from __future__ import annotations
 
-import numpy as np
-
-
-def _is_tracer(x) -> bool:
-    import jax
-
-    return isinstance(x, jax.core.Tracer)
-
-
-def _offset_problem(offset):
-    """Why ``query_offset`` cannot be passed to the kernels (None: it can)."""
-    if not hasattr(offset, "shape"):
-        return None                          # a Python / NumPy int (checked by dcmha.ops)
-    if _is_tracer(offset):
-        return ("takes `query_offset` as a static integer, but it is traced (e.g. a "
-                "cache_update_index inside jax.jit); use implementation='ops'. Received: "
-                f"query_offset={offset!r}")
-    dtype = np.dtype(offset.dtype)
-    if tuple(offset.shape) != () or dtype.kind not in "iu":
-        return ("takes `query_offset` as an integer or an integer scalar array. Received: "
-                f"query_offset with shape {tuple(offset.shape)} and dtype {dtype}")
-    return None
-
 
 def unsupported(call):
     """Why the Pallas kernels cannot run ``call`` (a str), or None when they can."""
     from dcmha.backends import pallas as pb
 
-    problem = _offset_problem(call.query_offset)
-    if problem is not None:
-        return problem
     if not pb.is_available():
         return "needs jax.experimental.pallas, which does not import here"
     return None
-
-
-def preferred(call) -> bool:
-    """Whether ``implementation="auto"`` takes the kernels: on a GPU (declared), with a
-    static offset."""
-    return call.static_offset is not None
 
 
 def attention(call):

@@ -5,17 +5,16 @@ on first use of one of its names. See ``dcmha_tf_cpu`` for the API and ``keras_c
 for the Keras fast path (``DCMHA(implementation="tf_cpu")``).
 """
 
-import importlib.util
-
-from dcmha.backends import CPU_MIN_LENGTH_PRODUCT, lazy_attributes
+from dcmha.backends import (CPU_KERNEL_LACKS, CPU_MIN_LENGTH_PRODUCT, installed,
+                            lazy_attributes)
 from dcmha.registry import Implementation
 
 __all__ = ["IMPLEMENTATION", "dcmha_attention", "dcmha_attention_reference", "is_available"]
 
 
 def is_available() -> bool:
-    """True when TensorFlow is installed (whether the ops build: ``dcmha_tf_cpu.load()``)."""
-    return importlib.util.find_spec("tensorflow") is not None
+    """True when TensorFlow is installed (whether the kernel builds: ``dcmha_tf_cpu.load()``)."""
+    return installed("tensorflow")
 
 
 __getattr__ = lazy_attributes(__name__, "dcmha_tf_cpu",
@@ -23,8 +22,6 @@ __getattr__ = lazy_attributes(__name__, "dcmha_tf_cpu",
 
 IMPLEMENTATION = Implementation(
     name="tf_cpu", backend="tensorflow", module="dcmha.backends.tf_cpu.keras_core",
-    devices=frozenset({"cpu"}), auto_devices=frozenset({"cpu"}),
-    lacks=frozenset({"attention_scores", "intermediates", "dropout", "head_masks",
-                     "traced_offset", "symbolic_shapes"}),
+    devices=frozenset({"cpu"}), auto_devices=frozenset({"cpu"}), lacks=CPU_KERNEL_LACKS,
     priority=20, min_length_product=CPU_MIN_LENGTH_PRODUCT,
     description="TensorFlow blocks whose composes run in the compiled C kernel (custom ops)")

@@ -41,11 +41,12 @@ and 42 instead of 85 ms of forward + backward
 (``benchmarks/torch_compose_kernel.py``). The separate PyTorch ops stay as
 the fallback (no compiler, other devices, ``DCMHA_CPU_KERNEL=0``).
 
-Masked entries get -1e30 added before the softmax (only in the key columns a
-block's mask can hide: the diagonal band for causal attention), so their
-probabilities are exactly 0, and so are their composed values (compose mixes
-heads at a fixed (t, s)); rows without a visible key are zeroed after the
-softmax, so they output 0 and pass no gradient.
+Masked entries get ``dcmha.spec.terms.MASKED_SCORE`` (-1e30) added before
+the softmax (only in the key columns a block's mask can hide: the diagonal
+band for causal attention), so their probabilities are exactly 0, and so
+are their composed values (compose mixes heads at a fixed (t, s)); rows
+without a visible key are zeroed after the softmax, so they output 0 and
+pass no gradient.
 
 CPU specifics: the block temporaries live in per-thread workspace buffers
 reused across blocks and calls (fresh ones cost a page fault per 4 KiB), and
@@ -68,15 +69,18 @@ from typing import Mapping, Optional
 
 import torch
 
-from .. import cpu_kernel
+from dcmha import call as dcall
+from dcmha.spec import terms as spec_terms
+
+from .. import cpu_kernel, kernel_call, torch_common
 from . import is_available  # noqa: F401  (re-exported)
 
 __all__ = ["dcmha_attention", "dcmha_attention_reference", "default_block_q", "is_available"]
 
-#: The names a ``pre`` / ``post`` dict may hold.
-TERM_NAMES = ("qw1", "qw2", "kw1", "kw2", "qdd", "kdd", "static")
-# A finite "minus infinity": exp() of it is exactly 0, and no inf - inf appears.
-_NEG = -1.0e30
+#: The names a ``pre`` / ``post`` dict may hold (``dcmha.spec.terms``).
+TERM_NAMES = spec_terms.TERM_NAMES
+# The masked-score fill: exp() of it is exactly 0, and no inf - inf appears.
+_NEG = spec_terms.MASKED_SCORE
 # Target size of one (B, t, N, S) float32 block (see ``default_block_q``).
 _BLOCK_BYTES = 4 * 2 ** 20
 # Most threads the block loop uses (see ``_run_blocks``).
@@ -84,23 +88,9 @@ _MAX_WORKERS = int(os.environ.get("DCMHA_TORCH_WORKERS", "64"))
 
 
 @dataclasses.dataclass(frozen=True)
-class _Problem:
-    """Sizes and switches of one call (everything besides the arrays)."""
+class _Problem(torch_common.Problem):
+    """Sizes and switches of one call (everything besides the arrays), and the block size."""
 
-    B: int
-    T: int
-    S: int
-    N: int
-    N_kv: int
-    G: int
-    M: int
-    R: int
-    d: int
-    d_v: int
-    causal: bool
-    window: Optional[int]
-    offset: int
-    scale: float
     block_q: int
 
 
@@ -111,10 +101,10 @@ def default_block_q(batch: int, num_heads: int, key_length: int) -> int:
     block are the fastest; 16 queries make the per-op overhead dominate (1.4x
     slower training step), and the per-element cost of the elementwise passes
     hardly depends on the block size once it is past a few hundred KiB.
+    (``dcmha.call.block_rows``, the rule of ``dcmha.ops.auto_query_chunk_size``,
+    capped at 256 queries.)
     """
-    per_query = 4 * max(1, batch * num_heads * key_length)
-    b = _BLOCK_BYTES // per_query
-    return 1 << max(4, min(8, int(math.log2(max(1, b)))))
+    return dcall.block_rows(batch, num_heads, key_length, _BLOCK_BYTES, largest=256)
 
 
 # ---------------------------------------------------------------------------
@@ -122,110 +112,15 @@ def default_block_q(batch: int, num_heads: int, key_length: int) -> int:
 # ---------------------------------------------------------------------------
 
 def _check(q, k, v, num_groups, pre, post, mask, causal, sliding_window, scale, query_offset,
-           block_q) -> _Problem:
-    """Validate the arguments of ``dcmha_attention``; return the problem sizes."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.ndim != 4:
-            raise ValueError(f"`{name}` must be a 4-D torch.Tensor. Received: "
-                             f"{name}={getattr(x, 'shape', type(x).__name__)}")
-        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-            raise TypeError(f"`{name}` must be float32, float16, bfloat16 or float64. "
-                            f"Received: {name}.dtype={x.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError("`q`, `k` and `v` must share one dtype. Received: "
-                        f"{q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError("`q`, `k` and `v` must be on one device. Received: "
-                         f"{q.device}, {k.device}, {v.device}")
-    B, T, N, d = q.shape
-    S, N_kv = k.shape[1], k.shape[2]
-    if k.shape[0] != B or v.shape[0] != B or v.shape[1] != S or v.shape[2] != N_kv:
-        raise ValueError("`k` (B, S, N_kv, d) and `v` (B, S, N_kv, d_v) must match `q` "
-                         f"(B, T, N, d). Received: q={tuple(q.shape)}, k={tuple(k.shape)}, "
-                         f"v={tuple(v.shape)}")
-    if k.shape[3] != d:
-        raise ValueError(f"`k` must have the head dim of `q` ({d}). Received: k={tuple(k.shape)}")
-    if N_kv == 0 or N % N_kv:
-        raise ValueError("The number of query heads must be a multiple of the key/value heads. "
-                         f"Received: N={N}, N_kv={N_kv}")
-    if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups <= 0 \
-            or N % num_groups:
-        raise ValueError(f"`num_groups` must be a positive divisor of the number of heads {N}. "
-                         f"Received: num_groups={num_groups!r}")
-    G, M = num_groups, N // num_groups
-    if sliding_window is not None and (not isinstance(sliding_window, int)
-                                       or isinstance(sliding_window, bool) or sliding_window <= 0):
-        raise ValueError("`sliding_window` must be None or a positive integer. Received: "
-                         f"sliding_window={sliding_window!r}")
-    if not isinstance(query_offset, int) or isinstance(query_offset, bool) or query_offset < 0:
-        raise ValueError("`query_offset` must be a non-negative integer. Received: "
-                         f"query_offset={query_offset!r}")
-    if block_q is not None and (not isinstance(block_q, int) or isinstance(block_q, bool)
-                                or block_q <= 0):
-        raise ValueError(f"`block_q` must be None or a positive integer. Received: "
-                         f"block_q={block_q!r}")
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise TypeError("`mask` must be None or a bool tensor. Received: "
-                            f"{getattr(mask, 'dtype', type(mask).__name__)}")
-        if mask.ndim > 3:
-            raise ValueError(f"`mask` must broadcast to (B, T, S) = {(B, T, S)}. "
-                             f"Received: mask={tuple(mask.shape)}")
-        try:
-            torch.broadcast_shapes(tuple(mask.shape), (B, T, S))
-        except RuntimeError:
-            raise ValueError(f"`mask` must broadcast to (B, T, S) = {(B, T, S)}. "
-                             f"Received: mask={tuple(mask.shape)}") from None
-        if mask.device != q.device:
-            raise ValueError(f"`mask` must be on q's device {q.device}. Received: {mask.device}")
-    R = None
-    for stage_name, stage in (("pre", pre), ("post", post)):
-        if stage is None:
-            continue
-        if not isinstance(stage, Mapping):
-            raise TypeError(f"`{stage_name}` must be None or a dict. Received: "
-                            f"{type(stage).__name__}")
-        unknown = sorted(set(stage) - set(TERM_NAMES))
-        if unknown:
-            raise ValueError(f"`{stage_name}` has unknown keys {unknown}; allowed: "
-                             f"{list(TERM_NAMES)}")
-        for w1, w2 in (("qw1", "qw2"), ("kw1", "kw2")):
-            if (stage.get(w1) is None) != (stage.get(w2) is None):
-                raise ValueError(f"`{stage_name}` must give both or neither of {w1!r} and "
-                                 f"{w2!r}. Received keys: {sorted(stage)}")
-        for name, x in stage.items():
-            if x is None:
-                continue
-            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-                raise TypeError(f"`{stage_name}[{name!r}]` must be a float torch.Tensor. "
-                                f"Received: {type(x).__name__}")
-            if x.device != q.device:
-                raise ValueError(f"`{stage_name}[{name!r}]` must be on q's device {q.device}. "
-                                 f"Received: {x.device}")
-            if name in ("qw1", "qw2", "kw1", "kw2"):
-                L = T if name[0] == "q" else S
-                if x.ndim != 5 or tuple(x.shape[:3]) != (B, L, G) or x.shape[4] != M:
-                    raise ValueError(f"`{stage_name}[{name!r}]` must have shape (B, "
-                                     f"{'T' if name[0] == 'q' else 'S'}, G, R, M) = ({B}, {L}, "
-                                     f"{G}, R, {M}). Received: {tuple(x.shape)}")
-                if R is None:
-                    R = x.shape[3]
-                elif x.shape[3] != R:
-                    raise ValueError(f"Every dynamic projection must have one rank R = {R}. "
-                                     f"Received: `{stage_name}[{name!r}]` {tuple(x.shape)}")
-            elif name in ("qdd", "kdd"):
-                L = T if name[0] == "q" else S
-                if tuple(x.shape) != (B, L, G, M):
-                    raise ValueError(f"`{stage_name}[{name!r}]` must have shape {(B, L, G, M)}. "
-                                     f"Received: {tuple(x.shape)}")
-            elif tuple(x.shape) != (G, M, M):
-                raise ValueError(f"`{stage_name}['static']` must have shape {(G, M, M)}. "
-                                 f"Received: {tuple(x.shape)}")
-    bq = default_block_q(B, N, S) if block_q is None else block_q
-    return _Problem(B=B, T=T, S=S, N=N, N_kv=N_kv, G=G, M=M, R=R or 1, d=d, d_v=v.shape[3],
-                    causal=bool(causal), window=sliding_window, offset=query_offset,
-                    scale=float(1.0 / math.sqrt(d) if scale is None else scale),
-                    block_q=max(1, min(bq, max(T, 1))))
+           block_q):
+    """Validate the arguments of ``dcmha_attention``; return (the call, the problem)."""
+    call = torch_common.check_call(q, k, v, num_groups=num_groups, pre=pre, post=post, mask=mask,
+                                   causal=causal, sliding_window=sliding_window,
+                                   query_offset=query_offset)
+    dcall.check_positive_int("block_q", block_q, allow_none=True)
+    bq = default_block_q(call.B, call.N, call.S) if block_q is None else block_q
+    return call, _Problem(**torch_common.Problem.fields(call, scale),
+                          block_q=max(1, min(bq, max(call.T, 1))))
 
 
 # ---------------------------------------------------------------------------
@@ -292,29 +187,9 @@ def _prepare_stage(stage: Optional[Mapping], pb: _Problem):
     return wq, kw1, kw2, kdd
 
 
-def _standardize_mask(mask):
-    """Rank-3 bool (B|1, T|1, S|1), or None."""
-    if mask is None:
-        return None
-    return mask.reshape((1,) * (3 - mask.ndim) + tuple(mask.shape))
-
-
 # ---------------------------------------------------------------------------
 # Blocks
 # ---------------------------------------------------------------------------
-
-def _key_range(pb: _Problem, t0: int, t1: int):
-    """Keys [s0, s1) that queries [t0, t1) can see under the causal mask / window."""
-    off, S, W = pb.offset, pb.S, pb.window
-    s0, s1 = 0, S
-    if pb.causal:
-        s1 = min(S, t1 + off)
-    if W is not None:
-        s0 = max(0, t0 + off - W + 1)
-        if not pb.causal:
-            s1 = min(S, t1 - 1 + off + W)
-    return s0, s1
-
 
 def _visibility(pb: _Problem, mask, t0, t1, s0, s1, device):
     """What a block must mask: (fills, empty).
@@ -370,7 +245,8 @@ def _blocks(pb: _Problem, mask, device):
     """(t0, t1, s0, s1, fills, empty) per query block; s1 <= s0 when it sees no key."""
     for t0 in range(0, pb.T, pb.block_q):
         t1 = min(pb.T, t0 + pb.block_q)
-        s0, s1 = _key_range(pb, t0, t1)
+        s0, s1 = spec_terms.key_range(t0, t1, pb.S, causal=pb.causal, window=pb.window,
+                                      offset=pb.offset)
         if s1 <= s0 or pb.B == 0:
             yield t0, t1, s0, s0, None, None          # nothing to compute
             continue
@@ -820,11 +696,11 @@ def dcmha_attention(q, k, v, *, num_groups, pre=None, post=None, mask=None, caus
       o: (B, T, N, d_v) in q's dtype. Fully masked query rows give zeros. With
       ``return_attention_scores``, (o, scores).
     """
-    pb = _check(q, k, v, num_groups, pre, post, mask, causal, sliding_window, scale, query_offset,
-                block_q)
+    call, pb = _check(q, k, v, num_groups, pre, post, mask, causal, sliding_window, scale,
+                      query_offset, block_q)
     q3, k3, v3 = _prepare_qkv(q, k, v, pb)
-    stages = _prepare_stage(pre, pb) + _prepare_stage(post, pb)
-    out = _DCMHAFunction.apply(pb, bool(return_attention_scores), _standardize_mask(mask),
+    stages = _prepare_stage(call.pre, pb) + _prepare_stage(call.post, pb)
+    out = _DCMHAFunction.apply(pb, bool(return_attention_scores), kernel_call.shared_mask(mask),
                                q3, k3, v3, *stages)
     o, p = out if return_attention_scores else (out, None)
     o = o.to(q.dtype)
@@ -835,72 +711,16 @@ def dcmha_attention(q, k, v, *, num_groups, pre=None, post=None, mask=None, caus
 # The plain reference (materialises (B, N, T, S); for tests and reading)
 # ---------------------------------------------------------------------------
 
-def _compose_reference(a, num_groups, stage):
-    """Compose of a (B, N, T, S) float32 tensor, as spec/reference.py's ``compose``."""
-    B, N, T, S = a.shape
-    G = num_groups
-    x = a.reshape(B, G, N // G, T, S)
-    out = x
-    f = {n: None if stage.get(n) is None else stage[n].to(torch.float32) for n in TERM_NAMES}
-    if f["static"] is not None:
-        out = out + torch.einsum("bgmts,gmn->bgnts", x, f["static"])
-    if f["qw1"] is not None:
-        hidden = torch.einsum("bgmts,btgrm->bgrts", x, f["qw1"])
-        out = out + torch.einsum("bgrts,btgrn->bgnts", hidden, f["qw2"])
-    if f["kw1"] is not None:
-        hidden = torch.einsum("bgmts,bsgrm->bgrts", x, f["kw1"])
-        out = out + torch.einsum("bgrts,bsgrn->bgnts", hidden, f["kw2"])
-    if f["qdd"] is not None:
-        out = out + x * f["qdd"].permute(0, 2, 3, 1)[..., :, None]
-    if f["kdd"] is not None:
-        out = out + x * f["kdd"].permute(0, 2, 3, 1)[..., None, :]
-    return out.reshape(B, N, T, S)
-
-
-def full_mask(B, T, S, *, mask=None, causal=False, sliding_window=None, query_offset=0,
-              device=None):
-    """The boolean (B, T, S) mask, True = attend (spec/reference.py's ``make_mask``)."""
-    t = query_offset + torch.arange(T, device=device)[:, None]
-    s = torch.arange(S, device=device)[None, :]
-    out = torch.ones(B, T, S, dtype=torch.bool, device=device)
-    if mask is not None:
-        out = out & mask.to(device)
-    if causal:
-        out = out & (s <= t)
-    if sliding_window is not None:
-        out = out & ((t - s).abs() < sliding_window)
-    return out
-
-
 def dcmha_attention_reference(q, k, v, *, num_groups, pre=None, post=None, mask=None,
                               causal=False, sliding_window=None, scale=None, query_offset=0,
                               block_q=None, return_attention_scores=False):
-    """``dcmha_attention`` in plain PyTorch ops (float32), differentiable by autograd.
+    """``dcmha_attention`` in plain PyTorch ops (float32), differentiable by autograd
+    (``torch_common.attention_reference``, shared with the Triton kernel).
 
     Same arguments and result; ``block_q`` is ignored. Materialises
     (B, N, T, S): for tests and small problems.
     """
-    pb = _check(q, k, v, num_groups, pre, post, mask, causal, sliding_window, scale, query_offset,
-                block_q)
-    rep = pb.N // pb.N_kv
-    kh = k.to(torch.float32).repeat_interleave(rep, dim=2)
-    vh = v.to(torch.float32).repeat_interleave(rep, dim=2)
-    a = torch.einsum("btnh,bsnh->bnts", q.to(torch.float32), kh) * pb.scale
-    if pre is not None:
-        a = _compose_reference(a, num_groups, pre)
-    allowed = full_mask(pb.B, pb.T, pb.S, mask=mask, causal=causal,
-                        sliding_window=sliding_window, query_offset=query_offset,
-                        device=q.device)[:, None]
-    if pb.S == 0:
-        amax = a.new_zeros(a.shape[:-1] + (1,))
-    else:
-        amax = torch.where(allowed, a, -math.inf).amax(-1, keepdim=True)
-        amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax)).detach()
-    e = torch.where(allowed, torch.exp(torch.where(allowed, a, amax) - amax), 0.0)
-    denom = e.sum(-1, keepdim=True)
-    p = e / torch.where(denom == 0.0, torch.ones_like(denom), denom)
-    if post is not None:
-        p = _compose_reference(p, num_groups, post)
-    p = torch.where(allowed, p, 0.0)
-    o = torch.einsum("bnts,bsnh->btnh", p, vh).to(q.dtype)
-    return (o, p.to(q.dtype)) if return_attention_scores else o
+    return torch_common.attention_reference(
+        q, k, v, num_groups=num_groups, pre=pre, post=post, mask=mask, causal=causal,
+        sliding_window=sliding_window, scale=scale, query_offset=query_offset,
+        return_attention_scores=return_attention_scores)

@@ -6,17 +6,13 @@ intermediates (never materialised), dropout in training (the blockwise backward
 would have to regenerate ``keras.random.dropout``'s mask), per-head masks, unknown shapes. This module adds:
 
 * ``unsupported(call)``: inputs that are not torch tensors, a call traced by
-  ``torch.compile`` (the core is a Python loop), a ``query_offset`` tensor that is
-  not an integer scalar (an eager one is read as an int).
+  ``torch.compile`` (the core is a Python loop). An eager integer tensor
+  ``query_offset`` is read as an int.
 * ``preferred(call)``: for ``"auto"`` on CPU from T * S >= ``MIN_PREFERRED_TS``
-  (8192, declared in the registration). Measured on the development CPU (one
-  DCMHA layer, B=2, D=512, N=8, causal, 2 threads, medians of 11 alternating
-  runs; time with this core / with "ops", training step and forward):
-  T=S=16: 1.14, 0.96; T=S=64: 1.03, 0.96; T=S=96: 0.92, 0.93; T=S=128: 0.95,
-  0.87; T=S=256: 0.65, 0.70. Below about 64 x 128 both cores take a few
-  milliseconds, dominated by per-op overhead, and the training step is as
-  fast or faster with "ops", so small problems keep "ops". (On CUDA the Triton
-  path is the fast one, so ``"auto"`` takes this one on CPU only.)
+  (8192, declared in the registration): below it both cores take a few
+  milliseconds, dominated by per-op overhead, and the training step is as fast
+  or faster with "ops" (figures: benchmarks/RESULTS.md, "Dispatch thresholds").
+  On CUDA the Triton path is the fast one, so ``"auto"`` takes this one on CPU only.
 * ``attention(call)``: (o (B, T, N, d_v) float32, extras), extras holding
   "attention_scores" (B, N, T, S) when asked for (differentiable).
 
@@ -36,20 +32,15 @@ def unsupported(call):
         return "q, k and v must be torch tensors"
     if hasattr(torch, "compiler") and torch.compiler.is_compiling():
         return "calls traced by torch.compile are not supported (the core is a Python loop)"
-    if _offset(call.query_offset) is None:
-        return "query_offset must be an integer or an integer scalar tensor"
     return None
 
 
 def _offset(query_offset):
-    """The query offset as a Python int (an eager scalar tensor is read), or None."""
-    if not hasattr(query_offset, "shape"):
-        return int(query_offset)
-    import torch
-    if isinstance(query_offset, torch.Tensor) and query_offset.numel() == 1 \
-            and not query_offset.is_floating_point() and query_offset.dtype != torch.bool:
+    """The query offset as a Python int (an eager integer scalar tensor is read; ``describe``
+    has refused anything else)."""
+    if hasattr(query_offset, "shape"):
         return int(query_offset.reshape(()).item())
-    return None
+    return int(query_offset)
 
 
 def attention(call):

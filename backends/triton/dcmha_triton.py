@@ -38,23 +38,29 @@ interpreter when ``TRITON_INTERPRET=1`` is set before Triton is first imported.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Mapping, Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from dcmha.spec import terms as spec_terms
+
+from .. import kernel_call, torch_common
 from . import is_available  # noqa: F401  (re-exported)
 
 __all__ = ["BlockSizes", "dcmha_attention", "dcmha_attention_reference", "is_available"]
 
-#: The names a ``pre`` / ``post`` dict may hold, in the order the kernels take them.
-TERM_NAMES = ("qw1", "qw2", "kw1", "kw2", "qdd", "kdd", "static")
+#: The names a ``pre`` / ``post`` dict may hold, in the order the kernels take them
+#: (``dcmha.spec.terms``).
+TERM_NAMES = spec_terms.TERM_NAMES
 # Bits of the per-stage TERMS constant of the kernels.
 _QW, _KW, _QDD, _KDD, _STATIC = 1, 2, 4, 8, 16
-# A finite "minus infinity": keeps exp() and subtraction free of inf - inf.
-_NEG = tl.constexpr(-1.0e30)
+# The masked-score fill (``dcmha.spec.terms.MASKED_SCORE``), also the running max's
+# start: finite, so exp() and subtraction stay free of inf - inf.
+_NEG = tl.constexpr(spec_terms.MASKED_SCORE)
+# Input dtypes of the kernels (no float64: tl.dot has none).
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +96,11 @@ class BlockSizes:
 def _key_range(t0, S, OFFSET, WINDOW,
                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
-    """[lo, hi) of the key positions query block t0 can see (lo block-aligned)."""
+    """[lo, hi) of the key positions query block t0 can see (lo block-aligned).
+
+    ``dcmha.spec.terms.key_range`` for queries [t0, t0 + BLOCK_T), written again
+    because it runs inside the jitted kernels.
+    """
     lo = 0
     hi = S
     if CAUSAL:
@@ -106,7 +116,10 @@ def _key_range(t0, S, OFFSET, WINDOW,
 def _query_range(s0, T, OFFSET, WINDOW,
                  CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
-    """[lo, hi) of the query positions that can see key block s0 (lo block-aligned)."""
+    """[lo, hi) of the query positions that can see key block s0 (lo block-aligned).
+
+    The converse of ``dcmha.spec.terms.key_range`` (same causal / window rule).
+    """
     lo = 0
     hi = T
     if CAUSAL:
@@ -613,23 +626,9 @@ def _pow2(n: int, at_least: int = 1) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Problem:
+class _Problem(torch_common.Problem):
     """Sizes and switches of one call (everything the kernels take besides arrays)."""
 
-    B: int
-    T: int
-    S: int
-    N: int
-    N_kv: int
-    G: int
-    M: int
-    R: int
-    d: int
-    d_v: int
-    causal: bool
-    window: Optional[int]
-    offset: int
-    scale: float
     pre_terms: int
     post_terms: int
     blocks: BlockSizes
@@ -649,100 +648,13 @@ def _terms(stage: Optional[Mapping]) -> int:
 def _check(q, k, v, num_groups, pre, post, mask, causal, sliding_window, scale, query_offset,
            block_q, block_k) -> _Problem:
     """Validate the arguments of ``dcmha_attention``; return the problem sizes."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.ndim != 4:
-            raise ValueError(f"`{name}` must be a 4-D torch.Tensor. Received: "
-                             f"{name}={getattr(x, 'shape', type(x).__name__)}")
-        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(f"`{name}` must be float32, float16 or bfloat16. Received: "
-                            f"{name}.dtype={x.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError("`q`, `k` and `v` must share one dtype. Received: "
-                        f"{q.dtype}, {k.dtype}, {v.dtype}")
-    B, T, N, d = q.shape
-    S, N_kv = k.shape[1], k.shape[2]
-    if k.shape[0] != B or v.shape[0] != B or v.shape[1] != S or v.shape[2] != N_kv:
-        raise ValueError("`k` (B, S, N_kv, d) and `v` (B, S, N_kv, d_v) must match `q` "
-                         f"(B, T, N, d). Received: q={tuple(q.shape)}, k={tuple(k.shape)}, "
-                         f"v={tuple(v.shape)}")
-    if k.shape[3] != d:
-        raise ValueError(f"`k` must have the head dim of `q` ({d}). Received: k={tuple(k.shape)}")
-    if N % N_kv:
-        raise ValueError(f"The number of query heads must be a multiple of the key/value heads. "
-                         f"Received: N={N}, N_kv={N_kv}")
-    if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups <= 0 \
-            or N % num_groups:
-        raise ValueError(f"`num_groups` must be a positive divisor of the number of heads {N}. "
-                         f"Received: num_groups={num_groups!r}")
-    G, M = num_groups, N // num_groups
-    if sliding_window is not None and (not isinstance(sliding_window, int)
-                                       or isinstance(sliding_window, bool) or sliding_window <= 0):
-        raise ValueError(f"`sliding_window` must be None or a positive integer. Received: "
-                         f"sliding_window={sliding_window!r}")
-    if not isinstance(query_offset, int) or query_offset < 0:
-        raise ValueError(f"`query_offset` must be a non-negative integer. Received: "
-                         f"query_offset={query_offset!r}")
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise TypeError(f"`mask` must be None or a bool tensor. Received: "
-                            f"{getattr(mask, 'dtype', type(mask).__name__)}")
-        try:
-            torch.broadcast_shapes(tuple(mask.shape), (B, T, S))
-        except RuntimeError:
-            raise ValueError(f"`mask` must broadcast to (B, T, S) = {(B, T, S)}. "
-                             f"Received: mask={tuple(mask.shape)}") from None
-        if mask.ndim > 3:
-            raise ValueError(f"`mask` must broadcast to (B, T, S) = {(B, T, S)}. "
-                             f"Received: mask={tuple(mask.shape)}")
-    R = None
-    for stage_name, stage in (("pre", pre), ("post", post)):
-        if stage is None:
-            continue
-        if not isinstance(stage, Mapping):
-            raise TypeError(f"`{stage_name}` must be None or a dict. Received: "
-                            f"{type(stage).__name__}")
-        unknown = sorted(set(stage) - set(TERM_NAMES))
-        if unknown:
-            raise ValueError(f"`{stage_name}` has unknown keys {unknown}; allowed: "
-                             f"{list(TERM_NAMES)}")
-        for w1, w2 in (("qw1", "qw2"), ("kw1", "kw2")):
-            if (stage.get(w1) is None) != (stage.get(w2) is None):
-                raise ValueError(f"`{stage_name}` must give both or neither of {w1!r} and "
-                                 f"{w2!r}. Received keys: {sorted(stage)}")
-        for name, x in stage.items():
-            if x is None:
-                continue
-            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-                raise TypeError(f"`{stage_name}[{name!r}]` must be a float torch.Tensor. "
-                                f"Received: {type(x).__name__}")
-            if x.device != q.device:
-                raise ValueError(f"`{stage_name}[{name!r}]` must be on q's device {q.device}. "
-                                 f"Received: {x.device}")
-            if name in ("qw1", "qw2", "kw1", "kw2"):
-                L = T if name[0] == "q" else S
-                if x.ndim != 5 or tuple(x.shape[:3]) != (B, L, G) or x.shape[4] != M:
-                    raise ValueError(f"`{stage_name}[{name!r}]` must have shape (B, "
-                                     f"{'T' if L == T else 'S'}, G, R, M) = ({B}, {L}, {G}, R, "
-                                     f"{M}). Received: {tuple(x.shape)}")
-                if R is None:
-                    R = x.shape[3]
-                elif x.shape[3] != R:
-                    raise ValueError(f"Every dynamic projection must have one rank R = {R}. "
-                                     f"Received: `{stage_name}[{name!r}]` {tuple(x.shape)}")
-            elif name in ("qdd", "kdd"):
-                L = T if name[0] == "q" else S
-                if tuple(x.shape) != (B, L, G, M):
-                    raise ValueError(f"`{stage_name}[{name!r}]` must have shape {(B, L, G, M)}. "
-                                     f"Received: {tuple(x.shape)}")
-            elif tuple(x.shape) != (G, M, M):
-                raise ValueError(f"`{stage_name}['static']` must have shape {(G, M, M)}. "
-                                 f"Received: {tuple(x.shape)}")
+    call = torch_common.check_call(q, k, v, dtypes=_DTYPES, num_groups=num_groups, pre=pre,
+                                   post=post, mask=mask, causal=causal,
+                                   sliding_window=sliding_window, query_offset=query_offset)
     blocks = BlockSizes(block_q=16 if block_q is None else block_q,
                         block_k=16 if block_k is None else block_k)
-    return _Problem(B=B, T=T, S=S, N=N, N_kv=N_kv, G=G, M=M, R=R or 1, d=d, d_v=v.shape[3],
-                    causal=bool(causal), window=sliding_window, offset=query_offset,
-                    scale=float(1.0 / math.sqrt(d) if scale is None else scale),
-                    pre_terms=_terms(pre), post_terms=_terms(post), blocks=blocks)
+    return _Problem(**torch_common.Problem.fields(call, scale), pre_terms=_terms(call.pre),
+                    post_terms=_terms(call.post), blocks=blocks)
 
 
 def _packed(stage: Optional[Mapping], pb: _Problem, device):
@@ -770,7 +682,7 @@ def _mask_args(mask, pb: _Problem, device):
     """(uint8 view of the mask broadcast to (B, T, S), its three strides) or a placeholder."""
     if mask is None:
         return torch.zeros(1, dtype=torch.uint8, device=device), 0, 0, 0
-    m = mask.reshape((1,) * (3 - mask.ndim) + tuple(mask.shape)).expand(pb.B, pb.T, pb.S)
+    m = kernel_call.shared_mask(mask).expand(pb.B, pb.T, pb.S)
     m = m.view(torch.uint8)
     return (m,) + tuple(m.stride())
 
@@ -943,8 +855,6 @@ def dcmha_attention(q, k, v, *, num_groups, pre=None, post=None, mask=None, caus
         if min(pb.blocks.block_q, pb.blocks.block_k) < 16:
             raise ValueError("Compiled Triton needs block_q and block_k >= 16 (tl.dot). "
                              f"Received: block_q={pb.blocks.block_q}, block_k={pb.blocks.block_k}")
-    if mask is not None and mask.device != q.device:
-        raise ValueError(f"`mask` must be on q's device {q.device}. Received: {mask.device}")
     flat = [None if stage is None else stage.get(n) for stage in (pre, post) for n in TERM_NAMES]
     return _DCMHAFunction.apply(pb, bool(return_attention_scores), q, k, v, mask, *flat)
 
@@ -953,73 +863,19 @@ def dcmha_attention(q, k, v, *, num_groups, pre=None, post=None, mask=None, caus
 # The plain reference (materialises (B, N, T, S); for tests and reading)
 # ---------------------------------------------------------------------------
 
-def _compose_reference(a, num_groups, stage):
-    """Compose of a (B, N, T, S) float32 tensor, as spec/reference.py's ``compose``."""
-    B, N, T, S = a.shape
-    G = num_groups
-    x = a.reshape(B, G, N // G, T, S)
-    out = x
-    f = {n: None if stage.get(n) is None else stage[n].to(torch.float32) for n in TERM_NAMES}
-    if f["static"] is not None:
-        out = out + torch.einsum("bgmts,gmn->bgnts", x, f["static"])
-    if f["qw1"] is not None:
-        hidden = torch.einsum("bgmts,btgrm->bgrts", x, f["qw1"])
-        out = out + torch.einsum("bgrts,btgrn->bgnts", hidden, f["qw2"])
-    if f["kw1"] is not None:
-        hidden = torch.einsum("bgmts,bsgrm->bgrts", x, f["kw1"])
-        out = out + torch.einsum("bgrts,bsgrn->bgnts", hidden, f["kw2"])
-    if f["qdd"] is not None:
-        out = out + x * f["qdd"].permute(0, 2, 3, 1)[..., :, None]
-    if f["kdd"] is not None:
-        out = out + x * f["kdd"].permute(0, 2, 3, 1)[..., None, :]
-    return out.reshape(B, N, T, S)
-
-
-def full_mask(B, T, S, *, mask=None, causal=False, sliding_window=None, query_offset=0,
-              device=None):
-    """The boolean (B, T, S) mask, True = attend (spec/reference.py's ``make_mask``)."""
-    t = query_offset + torch.arange(T, device=device)[:, None]
-    s = torch.arange(S, device=device)[None, :]
-    out = torch.ones(B, T, S, dtype=torch.bool, device=device)
-    if mask is not None:
-        out = out & mask.to(device)
-    if causal:
-        out = out & (s <= t)
-    if sliding_window is not None:
-        out = out & ((t - s).abs() < sliding_window)
-    return out
-
-
 def dcmha_attention_reference(q, k, v, *, num_groups, pre=None, post=None, mask=None,
                               causal=False, sliding_window=None, scale=None, query_offset=0,
                               block_q=None, block_k=None, interpret=None,
                               return_attention_scores=False):
-    """``dcmha_attention`` in plain PyTorch ops (float32), differentiable by autograd.
+    """``dcmha_attention`` in plain PyTorch ops (float32), differentiable by autograd
+    (``torch_common.attention_reference``, shared with the torch-native kernel).
 
     Same arguments and result; ``block_q``, ``block_k`` and ``interpret`` are ignored.
     Materialises (B, N, T, S): for tests and small problems.
     """
-    pb = _check(q, k, v, num_groups, pre, post, mask, causal, sliding_window, scale, query_offset,
-                block_q, block_k)
-    rep = pb.N // pb.N_kv
-    kh = k.to(torch.float32).repeat_interleave(rep, dim=2)
-    vh = v.to(torch.float32).repeat_interleave(rep, dim=2)
-    a = torch.einsum("btnh,bsnh->bnts", q.to(torch.float32), kh) * pb.scale
-    if pre is not None:
-        a = _compose_reference(a, num_groups, pre)
-    allowed = full_mask(pb.B, pb.T, pb.S, mask=mask, causal=causal,
-                        sliding_window=sliding_window, query_offset=query_offset,
-                        device=q.device)[:, None]
-    if pb.S == 0:
-        amax = a.new_zeros(a.shape[:-1] + (1,))
-    else:
-        amax = torch.where(allowed, a, -math.inf).amax(-1, keepdim=True)
-        amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax)).detach()
-    e = torch.where(allowed, torch.exp(torch.where(allowed, a, amax) - amax), 0.0)
-    denom = e.sum(-1, keepdim=True)
-    p = e / torch.where(denom == 0.0, torch.ones_like(denom), denom)
-    if post is not None:
-        p = _compose_reference(p, num_groups, post)
-    p = torch.where(allowed, p, 0.0)
-    o = torch.einsum("bnts,bsnh->btnh", p, vh).to(q.dtype)
-    return (o, p.detach().to(q.dtype)) if return_attention_scores else o
+    out = torch_common.attention_reference(
+        q, k, v, num_groups=num_groups, pre=pre, post=post, mask=mask, causal=causal,
+        sliding_window=sliding_window, scale=scale, query_offset=query_offset,
+        return_attention_scores=return_attention_scores, dtypes=_DTYPES)
+    # The kernel's scores are not differentiable: neither are the reference's.
+    return (out[0], out[1].detach()) if return_attention_scores else out

@@ -20,9 +20,8 @@ Rules:
   CUDA tensor and Triton is not in interpret mode (``TRITON_INTERPRET=1`` set
   before Triton is imported); q is a CUDA tensor but Triton runs interpreted; the
   process imported TensorFlow before Triton; attention scores while autograd
-  records (the kernel's scores are not differentiable); a query_offset that is not
-  an integer (or an integer scalar tensor); pre and post stages with different
-  ranks R (the kernel takes one R).
+  records (the kernel's scores are not differentiable); pre and post stages with
+  different ranks R (the kernel takes one R).
 * ``preferred(call)``: q is a CUDA tensor and Triton is installed (so
   ``implementation="auto"`` never imports Triton for CPU tensors).
 
@@ -71,19 +70,6 @@ def _device_type(x) -> str:
     return getattr(device, "type", str(device))
 
 
-def _offset_problem(offset):
-    """Why ``query_offset`` cannot be passed to the kernel (None: it can)."""
-    if not hasattr(offset, "shape"):
-        return None                          # a Python / NumPy int (checked by dcmha.ops)
-    import torch
-
-    if not isinstance(offset, torch.Tensor) or tuple(offset.shape) != () \
-            or offset.dtype.is_floating_point or offset.dtype == torch.bool:
-        return ("takes `query_offset` as an integer or an integer scalar tensor. Received: "
-                f"query_offset={offset!r}")
-    return None
-
-
 def unsupported(call):
     """Why the Triton kernel cannot run ``call`` (a str), or None when it can.
 
@@ -91,9 +77,6 @@ def unsupported(call):
     TRITON_INTERPRET=1) and the capabilities; this checks what needs the tensors."""
     q = call.q
     device = _device_type(q)
-    problem = _offset_problem(call.query_offset)
-    if problem is not None:
-        return problem
     if len(call.ranks) > 1:
         return ("takes one rank R for every dynamic projection. Received: ranks "
                 f"{list(call.ranks)}")

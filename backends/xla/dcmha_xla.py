@@ -39,7 +39,7 @@ groups of M = N / G. ``pre`` / ``post`` hold the compose terms of one stage:
 
 A missing key switches that term off; ``None`` switches the stage off (an empty
 dict is a stage with only the identity). ``mask`` is boolean, True = attend,
-(B, T, S) (dimensions of size 1 broadcast). Causal is s <= t; ``sliding_window``
+broadcastable to (B, T, S). Causal is s <= t; ``sliding_window``
 W alone is |t - s| < W, with ``causal`` t - W < s <= t. Scores, compose and the
 softmax are float32 whatever the input dtype; P.V accumulates in float32; the
 output has q's dtype. Fully masked rows give 0 and masked probabilities are
@@ -52,13 +52,18 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional
+
+from dcmha import call as dcall
+from dcmha.spec import terms as spec_terms
+
+from .. import kernel_call
 
 __all__ = ["dcmha_attention", "dcmha_attention_reference", "default_query_chunk_size",
            "is_available", "TERM_NAMES"]
 
-#: The compose-term names a ``pre`` / ``post`` dict may hold.
-TERM_NAMES = ("qw1", "qw2", "kw1", "kw2", "qdd", "kdd", "static")
+#: The compose-term names a ``pre`` / ``post`` dict may hold (``dcmha.spec.terms``).
+TERM_NAMES = spec_terms.TERM_NAMES
 
 #: Default budget for one (B, N, chunk, S) float32 tile (bytes). XLA makes several passes
 #: over the tile (compose, softmax, compose, matmuls); tiles that stay in the last-level
@@ -74,6 +79,8 @@ MIN_DEFAULT_CHUNK = 16
 #: groups and the causal mask about (K + 1) / 2K of the scores are computed) but
 #: compile longer: every group has its own shapes.
 MAX_GROUPS = 16
+# The masked-score fill (``dcmha.spec.terms.MASKED_SCORE``).
+_MASKED = spec_terms.MASKED_SCORE
 #: Group i starts after group i - _LANES has finished, so at most _LANES groups run (and
 #: hold their intermediates) at once, while XLA may still overlap two on two cores.
 _LANES = 2
@@ -104,105 +111,48 @@ def _dim(x, i):
 # Argument checks (shared by the fast path and the reference)
 # ---------------------------------------------------------------------------
 
-def _dims(x) -> Tuple[Optional[int], ...]:
-    return tuple(x.shape.as_list()) if x.shape.rank is not None else ()
+def _arguments(q, k, v, num_groups, pre, post, mask, causal, sliding_window, scale,
+               query_chunk_size):
+    """The checked arguments (shared by the fast path and the reference).
 
-
-def _expect(name: str, x, expected: Tuple, letters: str) -> None:
-    got = _dims(x)
-    ok = len(got) == len(expected) and all(
-        e is None or g is None or e == g for g, e in zip(got, expected))
-    if not ok:
-        want = ", ".join("?" if e is None else str(e) for e in expected)
-        raise ValueError(f"`{name}` must have shape ({letters}) = ({want}). "
-                         f"Received: {name}.shape={tuple(got)}")
-
-
-def _check_args(q, k, v, num_groups, pre, post, mask, sliding_window, scale,
-                query_chunk_size):
+    Converts them to tensors, checks them (``kernel_call.describe``, then what only
+    TensorFlow knows and this core needs) and returns q, k, v, pre, post (None when
+    off), the mask as rank 3 (B|1, T|1, S|1) (or None) and the scale (default
+    1 / sqrt(d)).
+    """
     tf = _tf()
+    q, k, v, pre, post, mask = _prepare(q, k, v, pre, post, mask)
+    call = kernel_call.describe(q, k, v, num_groups=num_groups, pre=pre, post=post, mask=mask,
+                                causal=causal, sliding_window=sliding_window,
+                                query_chunk_size=query_chunk_size)
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.shape.rank != 4:
-            raise ValueError(f"`{name}` must be a rank-4 tensor (B, L, heads, head_dim). "
-                             f"Received: {name}.shape={tuple(x.shape)}")
         if not x.dtype.is_floating:
             raise TypeError(f"`{name}` must be a floating tensor. Received: dtype={x.dtype.name}")
-    B, T, N, d = _dims(q)
-    _, S, N_kv, _ = _dims(k)
-    d_v = _dims(v)[3]
-    if None in (N, d, N_kv, d_v):
+    if None in (call.N, call.d, call.N_kv, call.d_v):
         raise ValueError("The head counts and head sizes (the last two axes of `q`, `k` and "
                          f"`v`) must be static. Received: q.shape={tuple(q.shape)}, "
                          f"k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}")
-    _expect("k", k, (B, None, None, d), "B, S, N_kv, d")
-    _expect("v", v, (B, S, N_kv, None), "B, S, N_kv, d_v")
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups <= 0:
-        raise ValueError(f"`num_groups` must be a positive integer. Received: "
-                         f"num_groups={num_groups!r}")
-    if N is not None and N % num_groups:
-        raise ValueError("The number of query heads must be divisible by `num_groups`. "
-                         f"Received: num_heads={N}, num_groups={num_groups}")
-    if N is not None and N_kv is not None and N % N_kv:
-        raise ValueError("The number of query heads must be divisible by the number of "
-                         f"key/value heads. Received: num_heads={N}, num_key_value_heads={N_kv}")
-    for name, val in (("sliding_window", sliding_window), ("query_chunk_size", query_chunk_size)):
-        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val <= 0):
-            raise ValueError(f"`{name}` must be None or a positive integer. Received: "
-                             f"{name}={val!r}")
     if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
                                   and math.isfinite(scale)):
         raise ValueError(f"`scale` must be None or a finite number. Received: scale={scale!r}")
-    G = num_groups
-    M = N // G if N is not None else None
-    for stage, terms in (("pre", pre), ("post", post)):
-        if terms is None:
-            continue
-        unknown = sorted(set(terms) - set(TERM_NAMES))
-        if unknown:
-            raise ValueError(f"`{stage}` has unknown compose terms {unknown}; expected a subset "
-                             f"of {list(TERM_NAMES)}")
-        for side in ("q", "k"):
-            if (side + "w1" in terms) != (side + "w2" in terms):
-                raise ValueError(f"`{stage}` must hold both or neither of '{side}w1' and "
-                                 f"'{side}w2'. Received keys: {sorted(terms)}")
-        R = None
+    for stage, terms in call.stages.items():
         for name, x in terms.items():
-            x = tf.convert_to_tensor(x)
             if not x.dtype.is_floating:
                 raise TypeError(f"`{stage}['{name}']` must be floating. Received: "
                                 f"dtype={x.dtype.name}")
-            L, Ll = (T, "T") if name[0] == "q" else (S, "S")
-            if name in ("qw1", "qw2", "kw1", "kw2"):
-                r = _dims(x)[3] if x.shape.rank == 5 else None
-                _expect(f"{stage}['{name}']", x, (B, L, G, R if R is not None else r, M),
-                        f"B, {Ll}, G, R, M")
-                R = R if R is not None else r
-            elif name in ("qdd", "kdd"):
-                _expect(f"{stage}['{name}']", x, (B, L, G, M), f"B, {Ll}, G, M")
-            else:
-                _expect(f"{stage}['static']", x, (G, M, M), "G, M, M")
-    if mask is not None:
-        if mask.dtype != tf.bool:
-            raise TypeError(f"`mask` must be boolean (True = attend). Received: "
-                            f"dtype={mask.dtype.name}")
-        got = _dims(mask)
-        ok = len(got) == 3 and all(g is None or e is None or g in (1, e)
-                                   for g, e in zip(got, (B, T, S)))
-        if not ok:
-            raise ValueError(f"`mask` must have shape (B, T, S) = ({B}, {T}, {S}) (or broadcast "
-                             f"to it). Received: mask.shape={tuple(got)}")
-    return d, d_v
+    if mask is not None and mask.dtype != tf.bool:
+        raise TypeError(f"`mask` must be boolean (True = attend). Received: "
+                        f"dtype={mask.dtype.name}")
+    scale = 1.0 / math.sqrt(call.d) if scale is None else float(scale)
+    return q, k, v, call.pre, call.post, kernel_call.shared_mask(mask), scale
 
 
 def _prepare(q, k, v, pre, post, mask):
+    """The arguments as tensors (a stage that is not a dict is left for the checks)."""
     tf = _tf()
-    for stage, terms in (("pre", pre), ("post", post)):
-        if terms is not None and not isinstance(terms, Mapping):
-            raise TypeError(f"`{stage}` must be None or a dict of compose terms. Received: "
-                            f"{type(terms).__name__}")
     q, k, v = (tf.convert_to_tensor(x) for x in (q, k, v))
-    pre = None if pre is None else {n: tf.convert_to_tensor(x) for n, x in pre.items()}
-    post = None if post is None else {n: tf.convert_to_tensor(x) for n, x in post.items()}
+    pre, post = ({n: tf.convert_to_tensor(x) for n, x in terms.items()}
+                 if isinstance(terms, Mapping) else terms for terms in (pre, post))
     mask = None if mask is None else tf.convert_to_tensor(mask)
     return q, k, v, pre, post, mask
 
@@ -243,10 +193,8 @@ def dcmha_attention_reference(q, k, v, *, num_groups, pre=None, post=None, mask=
     ignored: the result does not depend on it). Differentiable by autodiff.
     """
     tf = _tf()
-    q, k, v, pre, post, mask = _prepare(q, k, v, pre, post, mask)
-    d, _ = _check_args(q, k, v, num_groups, pre, post, mask, sliding_window, scale,
-                       query_chunk_size)
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    q, k, v, pre, post, mask, scale = _arguments(
+        q, k, v, num_groups, pre, post, mask, causal, sliding_window, scale, query_chunk_size)
     B, T, S = _dim(q, 0), _dim(q, 1), _dim(k, 1)
     rep = q.shape[2] // k.shape[2]
     k_h = tf.repeat(tf.cast(k, tf.float32), rep, axis=2)   # query head n reads kv head n // rep
@@ -288,23 +236,9 @@ def default_query_chunk_size(batch: Optional[int], num_heads: int, query_length:
     """
     if query_length is None or key_length is None:
         return None
-    per_query = 4 * (batch or 1) * num_heads * key_length
-    c = max(1, CHUNK_BUDGET_BYTES // per_query)
-    c = max(1 << (c.bit_length() - 1), MIN_DEFAULT_CHUNK)
+    c = dcall.block_rows(batch or 1, num_heads, key_length, CHUNK_BUDGET_BYTES,
+                         smallest=MIN_DEFAULT_CHUNK, largest=None)
     return None if c >= query_length else c
-
-
-def _key_range(t0: int, t1: int, S: Optional[int], causal: bool,
-               window: Optional[int]) -> Tuple[int, Optional[int]]:
-    """[lo, hi) of the keys any query in [t0, t1) may attend (hi None = to the end)."""
-    lo, hi = 0, S
-    if causal:
-        hi = t1 if hi is None else min(hi, t1)
-    if window is not None:
-        lo = max(0, t0 - window + 1)
-        if not causal:
-            hi = t1 + window - 1 if hi is None else min(hi, t1 + window - 1)
-    return lo, hi
 
 
 def _compose_fast(x, terms, row_scale=None):
@@ -430,11 +364,11 @@ def _block(q, k, v, pre, post, mask, *, t0, lo, causal, window, G):
         allowed = mask if allowed is None else mask & allowed
     if allowed is not None:
         m = allowed[:, None, None] if allowed.shape.rank == 3 else allowed
-        amax = tf.reduce_max(tf.where(m, a, -math.inf), axis=-1, keepdims=True)
-        # A fully masked row has max -inf: shift it by 0 instead.
-        amax = tf.stop_gradient(tf.where(tf.math.is_finite(amax), amax, 0.0))
-        # exp(-inf) is exactly 0 at masked entries, with a zero gradient (no NaN).
-        e = tf.exp(tf.where(m, a - amax, -math.inf))
+        # Masked scores get MASKED_SCORE: a fully masked row has max MASKED_SCORE
+        # (finite), and exp(MASKED_SCORE - ...) is exactly 0 at masked entries, with a
+        # zero gradient (no NaN).
+        amax = tf.stop_gradient(tf.reduce_max(tf.where(m, a, _MASKED), axis=-1, keepdims=True))
+        e = tf.exp(tf.where(m, a - amax, _MASKED))
     else:
         e = tf.exp(a - tf.stop_gradient(tf.reduce_max(a, axis=-1, keepdims=True)))
     denom = tf.reduce_sum(e, axis=-1, keepdims=True)
@@ -546,7 +480,11 @@ def _core(q, k, v, pre, post, mask, *, G, causal, window, scale, chunk, want_sco
     for first, stop in _groups(n, MAX_GROUPS):
         t0, t1 = first * c if c else 0, None if T is None else min(stop * c, T)
         rows = None if T is None else (stop - first) * c
-        lo, hi = (0, None) if T is None else _key_range(t0, t1, S, causal, window)
+        lo, hi = 0, None
+        if T is not None:   # an unknown S is unbounded: hi None, to the end
+            lo, hi = spec_terms.key_range(t0, t1, math.inf if S is None else S,
+                                          causal=causal, window=window)
+            hi = None if hi == math.inf else hi
         if hi is not None and hi <= lo:   # no key visible from this group
             outs.append(tf.zeros([Bd, N_kv, rep, rows, v.shape[-1]], tf.float32))
             if want_scores:
@@ -671,7 +609,7 @@ def dcmha_attention(q, k, v, *, num_groups, pre=None, post=None, mask=None, caus
         k: (B, S, N_kv, d) keys; v: (B, S, N_kv, d_v) values.
         num_groups: G, the number of composition groups (N % G == 0).
         pre / post: None (stage off) or a dict of compose terms (module docstring).
-        mask: None or bool (B, T, S), True = attend.
+        mask: None or bool, broadcastable to (B, T, S), True = attend.
         causal: apply the causal mask s <= t.
         sliding_window: None or W (|t - s| < W; with ``causal``, t - W < s <= t).
         scale: score scale, default 1 / sqrt(d).
@@ -688,10 +626,8 @@ def dcmha_attention(q, k, v, *, num_groups, pre=None, post=None, mask=None, caus
     TypeError naming the argument for a bad shape, dtype or option.
     """
     tf = _tf()
-    q, k, v, pre, post, mask = _prepare(q, k, v, pre, post, mask)
-    d, _ = _check_args(q, k, v, num_groups, pre, post, mask, sliding_window, scale,
-                       query_chunk_size)
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    q, k, v, pre, post, mask, scale = _arguments(
+        q, k, v, num_groups, pre, post, mask, causal, sliding_window, scale, query_chunk_size)
     B, T, N, _ = q.shape.as_list()
     S = k.shape[1]
     chunk = query_chunk_size

@@ -19,22 +19,15 @@ Rules:
 * ``preferred(call)``: True for every supported call made while TensorFlow
   traces a graph (inside a ``tf.function``, e.g. Keras ``fit`` / ``predict``,
   or inside an XLA-compiled function, where the core is traced inline into the
-  caller's computation); False for eager calls. An eager call compiles one XLA
-  function per new shape and configuration, and on CPU that compile (forward
-  and gradient: about 3 s at B=2, N=4, T=S=16; 3.4 s at B=2, N=8, T=S=128;
-  10.6 s at T=S=512) costs as much as 100 or more eager "ops" calls of the same
-  shape (steady state, forward and gradient: 30 ms "ops" vs 6 ms "xla" at
-  T=S=16, 90 ms vs 32 ms at T=S=128, 325 ms vs 291 ms at T=S=512), so a one-off
-  eager call is faster on "ops" at every size; a traced function runs many
-  times and pays the compile once (or not at all when inlined). Taking XLA for
-  eager calls too made tests/test_layer_api.py + tests/test_layer_numerics.py
-  3.7 times slower (18 s -> 68 s).
+  caller's computation); False for eager calls: an eager call compiles one XLA
+  function per new shape and configuration, which costs more than a one-off
+  eager call saves (figures: benchmarks/RESULTS.md, "Dispatch thresholds").
 
 Conventions checked against ``_attention_ops`` and ``spec/SPEC.md``: the core
 scales the scores itself (``scale`` = 1 / sqrt(d), the default), so q is passed
 unscaled; causal is s <= t and the window |t - s| < W (with causal: the W keys
 ending at t), as in the spec at query_offset 0; the mask is a boolean
-(B|1, T|1, S|1) tensor (``_standardize_mask``) that the core broadcasts; fully
+(B|1, T|1, S|1) tensor (``dcmha.ops.standardize_mask``) that the core broadcasts; fully
 masked rows give zeros. ``query_chunk_size`` is passed on (None: the core's own
 default, ``default_query_chunk_size``).
 """
