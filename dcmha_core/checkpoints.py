@@ -80,6 +80,36 @@ def _to_numpy(name, value) -> np.ndarray:
     return out
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+#: The config keys read, each with its check and what the check requires. Values are
+#: checked, never coerced: int(4.7) would truncate a float silently, and bool('false') is True.
+_CONFIG_CHECKS = (
+    (("vocab_size", "n_layer", "n_head", "dim"), lambda v: _is_int(v) and v > 0,
+     "a positive integer"),
+    (("intermediate_size", "window_size"), lambda v: v is None or (_is_int(v) and v > 0),
+     "None or a positive integer"),
+    (("n_local_heads",), lambda v: v is None or (_is_int(v) and (v == -1 or v > 0)),
+     "None, -1 or a positive integer"),
+    (("rope_base", "norm_eps"),
+     lambda v: (_is_int(v) or isinstance(v, (float, np.floating))) and 0 < v < float("inf"),
+     "a positive number"),
+    (("use_qk_norm", "use_dcmha", "query_wise", "mgate", "tie_word_embeddings"),
+     lambda v: isinstance(v, (bool, np.bool_)), "a bool (True or False; strings and numbers are "
+     "not accepted)"),
+)
+
+
+def _check_config_types(cfg: dict) -> None:
+    for keys, ok, expected in _CONFIG_CHECKS:
+        for key in keys:
+            if not ok(cfg[key]):
+                raise ValueError(f"Config key {key!r} must be {expected}. Received: "
+                                 f"{cfg[key]!r}")
+
+
 def official_config_to_kwargs(config) -> dict:
     """`DCFormerLM` keyword arguments for an official DCFormer config (dict or object).
 
@@ -87,28 +117,14 @@ def official_config_to_kwargs(config) -> dict:
     in the official code; `from_official_state_dict` reads them from the weights.
     """
     cfg = {**OFFICIAL_DEFAULTS, **_config_dict(config)}
-    if cfg.get("mgate"):
+    _check_config_types(cfg)
+    if cfg["mgate"]:
         raise ValueError("Unsupported DCFormer config: mgate=True (the gated-mixture FFN variant) "
                          "is not implemented by dcmha.models.")
-    if cfg.get("query_wise"):
+    if cfg["query_wise"]:
         raise ValueError("Unsupported DCFormer config: query_wise=True (the official decode-time "
                          "shortcut that drops key-wise weights) is not implemented; load with "
                          "query_wise=False for the exact model.")
-    for key in ("vocab_size", "n_layer", "n_head", "dim"):
-        v = cfg[key]
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise ValueError(f"Config key {key!r} must be a positive integer. Received: {v!r}")
-    for key, allow_none in (("intermediate_size", True), ("window_size", True)):
-        v = cfg[key]
-        if not (v is None and allow_none) and (
-                isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
-            raise ValueError(f"Config key {key!r} must be None or a positive integer. "
-                             f"Received: {v!r}")
-    for key in ("rope_base", "norm_eps"):
-        v = cfg[key]
-        if (isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating))
-                or not 0 < v < float("inf")):
-            raise ValueError(f"Config key {key!r} must be a positive number. Received: {v!r}")
     n_head, dim = int(cfg["n_head"]), int(cfg["dim"])
     n_kv = cfg["n_local_heads"]
     n_kv = n_head if n_kv in (None, -1) else int(n_kv)

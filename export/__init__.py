@@ -11,11 +11,10 @@ Each DCMHA call is a node of an ONNX local function in the ``dcmha`` domain
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
-from dcmha.export.core import (DOMAIN, FUNCTION_NAME, CallSpec, check_model, decode_names,
-                               export_layer, save_model, session)
+from dcmha.export.core import (DOMAIN, FUNCTION_NAME, CallSpec, atomic_output, check_model,
+                               decode_names, export_layer, output_target, save_model, session)
 
 
 def to_onnx(obj, path, *, opset: Optional[int] = None, dynamic: bool = True,
@@ -31,7 +30,8 @@ def to_onnx(obj, path, *, opset: Optional[int] = None, dynamic: bool = True,
             (a subclassed model with ``as_functional()``, e.g. DCFormerLM, too).
         path: the .onnx file; written to a temporary file in the same directory
             and renamed onto ``path`` only after onnx.checker (full_check)
-            passes and onnxruntime loads it with ORT_ENABLE_ALL.
+            passes and onnxruntime loads it with ORT_ENABLE_ALL. A file that is
+            replaced keeps its mode; a symlink is written through to its target.
         opset: ONNX opset (default 18; 18 up to the installed onnx's newest).
         dynamic: symbolic batch / sequence / cache axes (``batch``,
             ``query_length``, ``key_length``, ``cache_length``; model inputs get
@@ -82,11 +82,7 @@ def to_onnx(obj, path, *, opset: Optional[int] = None, dynamic: bool = True,
 
 def _check_options(path, *, self_attention, input_shapes, batch_size, cache_length, **flags):
     """Type and range checks of ``to_onnx``'s options, before anything is built."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"`path` must be a str or os.PathLike. Received: {type(path).__name__}")
-    if os.path.isdir(path):
-        raise ValueError("`path` must be a file path, not a directory. "
-                         f"Received: path={os.fspath(path)!r}")
+    output_target(path)      # a str / PathLike in an existing directory, not a directory
     if self_attention is not None:
         flags["self_attention"] = self_attention
     for name, value in flags.items():
@@ -114,5 +110,5 @@ def verify(path, obj, inputs, **kwargs) -> dict:
     return _verify(path, obj, inputs, **kwargs)
 
 
-__all__ = ["to_onnx", "verify", "export_layer", "CallSpec", "save_model", "check_model", "session",
-           "decode_names", "DOMAIN", "FUNCTION_NAME"]
+__all__ = ["to_onnx", "verify", "export_layer", "CallSpec", "save_model", "atomic_output",
+           "output_target", "check_model", "session", "decode_names", "DOMAIN", "FUNCTION_NAME"]

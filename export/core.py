@@ -27,11 +27,12 @@ onnxruntime has loaded the file with every graph optimisation on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
-import tempfile
+import stat
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -746,29 +747,79 @@ def session(model_or_path, *, threads: Optional[int] = None):
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
 
 
+def output_target(path: Union[str, os.PathLike]) -> str:
+    """The file that writing ``path`` replaces: ``path`` with every symlink resolved.
+
+    A symlink at ``path`` is written through: its target gets the new content
+    (and keeps the link), as when a program opens the link for writing. Raises
+    ValueError when the target's folder does not exist or the target is a folder.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"`path` must be a str or os.PathLike. Received: {type(path).__name__}")
+    path = os.fspath(path)
+    target = os.path.realpath(path)
+    if os.path.isdir(target):
+        raise ValueError(f"`path` must be a file path, not a directory. Received: path={path!r}")
+    directory = os.path.dirname(target)
+    if not os.path.isdir(directory):
+        raise ValueError(f"`path` must be in an existing directory; {directory!r} does not exist. "
+                         f"Received: path={path!r}")
+    return target
+
+
+def _new_file(directory: str, suffix: str) -> str:
+    """A new empty file in ``directory`` with a random name, created with mode 0o666 so that
+    the umask (and any default ACL) gives it the mode of any new file: no umask is read or
+    changed (os.umask would change it process-wide for a moment, a race with other threads)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        name = os.path.join(directory, f".tmp-{os.urandom(8).hex()}{suffix}")
+        try:
+            os.close(os.open(name, flags, 0o666))
+            return name
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"Could not create a temporary file in {directory!r}.")
+
+
+@contextlib.contextmanager
+def atomic_output(path: Union[str, os.PathLike], suffix: str = ".onnx"):
+    """Yield a new temporary file beside ``path``'s target; when the block ends without an
+    error, rename it onto the target, else remove it (the target is then untouched).
+
+    The result keeps the mode of the file it replaces; a new file gets the mode
+    that the umask gives any new file. A symlink at ``path`` is written through
+    (see `output_target`).
+    """
+    target = output_target(path)
+    tmp = _new_file(os.path.dirname(target), suffix)
+    try:
+        yield tmp
+        try:
+            mode = stat.S_IMODE(os.stat(target).st_mode)
+        except FileNotFoundError:
+            mode = None
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
 def save_model(model: onnx.ModelProto, path: Union[str, os.PathLike], *, check_runtime: bool = True) -> str:
     """Write ``model`` to ``path`` atomically.
 
-    The model goes to a temporary file in the same directory; only after
+    The model goes to a temporary file beside the target; only after
     onnx.checker (full_check) passes and onnxruntime loads it with ORT_ENABLE_ALL
-    is it renamed onto ``path``. On any failure ``path`` is left untouched.
+    is it renamed onto the target. On any failure the target is left untouched.
+    An existing file keeps its mode; a symlink is written through to its target
+    (see `atomic_output`). Returns ``path``.
     """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".onnx", dir=directory)
-    os.close(fd)
-    try:
+    with atomic_output(path) as tmp:
         onnx.save_model(model, tmp)
         onnx.checker.check_model(tmp, full_check=True)
         if check_runtime:
             session(tmp)
-        # mkstemp creates the file 0600; give the result the usual umask-based mode.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
+    return os.fspath(path)

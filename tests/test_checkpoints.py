@@ -288,3 +288,43 @@ def test_tied_output_must_match_embeddings():
     from_official_state_dict(sd, CONFIG_B)                       # an identical copy is fine
     sd["output.weight"] = sd["output.weight"] + 1
     assert "differs from 'tok_embeddings.weight'" in _convert_error(sd, CONFIG_B)
+
+
+_BOOL = "a bool (True or False; strings and numbers are not accepted)"
+
+
+@pytest.mark.parametrize("change,message", [
+    # Values are checked, never coerced: int(4.7) is 4, bool("false") is True.
+    (dict(n_local_heads=4.7), "Config key 'n_local_heads' must be None, -1 or a positive "
+                              "integer. Received: 4.7"),
+    (dict(n_local_heads=True), "Config key 'n_local_heads' must be None, -1 or a positive "
+                               "integer. Received: True"),
+    (dict(n_local_heads=-2), "Config key 'n_local_heads' must be None, -1 or a positive "
+                             "integer. Received: -2"),
+    (dict(use_dcmha="false"), f"Config key 'use_dcmha' must be {_BOOL}. Received: 'false'"),
+    (dict(use_qk_norm=1), f"Config key 'use_qk_norm' must be {_BOOL}. Received: 1"),
+    (dict(tie_word_embeddings=None),
+     f"Config key 'tie_word_embeddings' must be {_BOOL}. Received: None"),
+    (dict(mgate="no"), f"Config key 'mgate' must be {_BOOL}. Received: 'no'"),
+    (dict(query_wise=0), f"Config key 'query_wise' must be {_BOOL}. Received: 0"),
+    (dict(dim=32.0), "Config key 'dim' must be a positive integer. Received: 32.0"),
+    (dict(window_size=3.5), "Config key 'window_size' must be None or a positive integer. "
+                            "Received: 3.5"),
+    (dict(rope_base=True), "Config key 'rope_base' must be a positive number. Received: True"),
+    (dict(norm_eps=float("nan")), "Config key 'norm_eps' must be a positive number. "
+                                  "Received: nan"),
+])
+def test_config_values_are_type_checked(change, message):
+    with pytest.raises(ValueError) as e:
+        official_config_to_kwargs(dict(CONFIG_A, **change))
+    assert str(e.value) == message
+
+
+def test_config_accepts_numpy_scalars_and_strict_bools():
+    # A config read through NumPy (np.int64, np.bool_) is as valid as plain Python values.
+    kw = official_config_to_kwargs(dict(CONFIG_A, n_local_heads=np.int64(2), dim=np.int64(32),
+                                        use_qk_norm=np.bool_(True), use_dcmha=False))
+    assert (kw["num_key_value_heads"], kw["hidden_dim"], kw["qk_norm"], kw["attention"]) == \
+        (2, 32, True, "mha")
+    assert official_config_to_kwargs(dict(CONFIG_A, n_local_heads=None))[
+        "num_key_value_heads"] is None
