@@ -318,6 +318,19 @@ def test_compiled_function_cache():
     assert len(dcmha_xla._COMPILED) == 2
 
 
+def test_compiled_function_cache_is_bounded(monkeypatch):
+    """The least recently used configuration is evicted past COMPILE_CACHE_SIZE."""
+    p = make_problem(seed=9, pre=("kdd",), post=None)
+    q, k, v, pre = _leaves(p)
+    monkeypatch.setattr(dcmha_xla, "COMPILE_CACHE_SIZE", 2)
+    dcmha_xla._COMPILED.clear()
+    for window in (None, 2, None, 3):        # None is used again before 3 arrives
+        xla.dcmha_attention(q, k, v, num_groups=1, pre=pre, causal=True, sliding_window=window)
+    assert len(dcmha_xla._COMPILED) == 2
+    windows = [key[5] for key in dcmha_xla._COMPILED]
+    assert windows == [None, 3]
+
+
 def test_default_query_chunk_size():
     d = xla.default_query_chunk_size
     assert d(2, 8, 1024, 1024) == 64

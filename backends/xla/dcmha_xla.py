@@ -50,8 +50,10 @@ Importing this module does not import TensorFlow; the first call does.
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import math
+import os
 from typing import Dict, Mapping, Optional
 
 from dcmha import call as dcall
@@ -518,7 +520,19 @@ def _core(q, k, v, pre, post, mask, *, G, causal, window, scale, chunk, want_sco
     return o, tf.reshape(p, [Bd, N, Td, Sd])
 
 
-_COMPILED: Dict[tuple, object] = {}
+#: Compiled functions by static configuration, least recently used first. Bounded: each
+#: holds its traced graphs and XLA executables (one per input shape), so a process that
+#: sees many configurations keeps at most ``COMPILE_CACHE_SIZE`` of them
+#: (``DCMHA_XLA_CACHE_SIZE``, default 32); an evicted one is traced again when next used.
+COMPILE_CACHE_SIZE = max(1, int(os.environ.get("DCMHA_XLA_CACHE_SIZE", "32")))
+_COMPILED: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+
+
+def _remember(key, fn):
+    _COMPILED[key] = fn
+    while len(_COMPILED) > COMPILE_CACHE_SIZE:
+        _COMPILED.popitem(last=False)
+    return fn
 
 
 def in_xla_context() -> bool:
@@ -545,6 +559,7 @@ def _compiled(key):
     """
     fn = _COMPILED.get(key)
     if fn is not None:
+        _COMPILED.move_to_end(key)
         return fn
     tf = _tf()
     G, pre_names, post_names, has_mask, causal, window, scale, chunk, want, looped = key
@@ -565,8 +580,7 @@ def _compiled(key):
 
     forward_xla = tf.function(run, jit_compile=True, autograph=False)
     if not looped:
-        _COMPILED[key] = forward_xla
-        return forward_xla
+        return _remember(key, forward_xla)
     backward_xla = tf.function(backward, jit_compile=True, autograph=False)
 
     def split(flat):
@@ -595,8 +609,7 @@ def _compiled(key):
     def fn(q, k, v, mask, pre_vals, post_vals):
         return attention(q, k, v, *pre_vals, *post_vals, *([mask] if has_mask else []))
 
-    _COMPILED[key] = fn
-    return fn
+    return _remember(key, fn)
 
 
 def dcmha_attention(q, k, v, *, num_groups, pre=None, post=None, mask=None, causal=False,
