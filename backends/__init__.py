@@ -39,3 +39,24 @@ def lazy_attributes(package: str, module: str, names):
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+def cpu_kernel_package(package: str, name: str, backend: str, module: str, *, priority: int,
+                       description: str):
+    """(IMPLEMENTATION, is_available, __getattr__) of a blocked CPU-kernel package
+    ("jax_cpu", "tf_cpu"): registered on ``backend``'s CPU with ``CPU_KERNEL_LACKS`` and the
+    ``CPU_MIN_LENGTH_PRODUCT`` threshold; ``module`` (its kernel API) loads on first use."""
+    from dcmha.registry import Implementation
+
+    impl = Implementation(
+        name=name, backend=backend, module=f"{package}.keras_core",
+        devices=frozenset({"cpu"}), auto_devices=frozenset({"cpu"}), lacks=CPU_KERNEL_LACKS,
+        priority=priority, min_length_product=CPU_MIN_LENGTH_PRODUCT, description=description)
+
+    def is_available() -> bool:
+        """True when the framework is installed (whether the kernel builds: ``load()`` of the
+        kernel module)."""
+        return installed(backend)
+
+    return impl, is_available, lazy_attributes(
+        package, module, ("dcmha_attention", "dcmha_attention_reference"))

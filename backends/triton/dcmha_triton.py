@@ -817,19 +817,9 @@ def dcmha_attention(q, k, v, *, num_groups, pre=None, post=None, mask=None, caus
                     interpret=None, return_attention_scores=False):
     """Fused DCMHA attention (Triton), differentiable w.r.t. q, k, v and every pre/post array.
 
-    Args:
-      q: (B, T, N, d); k: (B, S, N_kv, d); v: (B, S, N_kv, d_v), already projected,
-        normalised and rotated; one dtype among float32 / float16 / bfloat16.
-        Query head h reads key/value head h // (N / N_kv).
-      num_groups: G, the composition groups; each mixes M = N / G heads.
-      pre, post: None (stage off) or a dict with any of "qw1", "qw2" (B, T, G, R, M),
-        "kw1", "kw2" (B, S, G, R, M), "qdd" (B, T, G, M), "kdd" (B, S, G, M),
-        "static" (G, M, M); an absent key switches that term off.
-      mask: None or bool, broadcastable to (B, T, S), True = attend.
-      causal: attend to keys s <= t + query_offset.
-      sliding_window: None or W: attend to keys with |t + query_offset - s| < W.
-      scale: score scale, default 1 / sqrt(d).
-      query_offset: absolute position of query 0 (decoding).
+    Args: as ``dcmha.backends.torch_native.dcmha_attention`` (q, k, v, num_groups,
+      pre, post, mask, causal, sliding_window, scale, query_offset; dtypes float32 /
+      float16 / bfloat16, no float64), and:
       block_q, block_k: tile sizes (powers of two), default ``BlockSizes()``.
       interpret: None, or a bool that must match how Triton was loaded
         (``TRITON_INTERPRET``); interpreted runs take CPU tensors, compiled runs CUDA.
