@@ -1,13 +1,8 @@
 """Fused DCMHA attention in Triton (PyTorch), with its plain PyTorch reference.
 
-``dcmha_attention`` computes, per batch b and composition group g,
-
-    a  = q k^T * scale                          (M, T, S) for the M heads of g
-    A  = Compose(a; pre)                        pre-composition, before masking
-    P  = masked_softmax(A)                      float32; fully masked row -> 0
-    P' = mask * Compose(P; post)                post-composition, masked -> exactly 0
-    o  = P' v
-
+``dcmha_attention`` computes the attention step of ``spec/SPEC.md`` (sections 6-7,
+written out in ``dcmha.backends.torch_native.dcmha_torch``'s docstring: scores,
+pre-composition, masked float32 softmax, post-composition zeroed where masked, P v)
 without materialising any (B, N, T, S) array. A program owns one
 (b, g, query block) and holds the tile of all M heads of its group,
 (M, BLOCK_T, BLOCK_S): composition mixes heads at a fixed (t, s), query-wise
