@@ -145,18 +145,15 @@ def check_terms(stage: str, terms: Mapping, B, T, S, G, M) -> Optional[int]:
             raise TypeError(f"`{label(term.name)}` must be an array. "
                             f"Received: {type(x).__name__}")
         shape = shape_of(x)
-        if "R" in term.shape and len(shape) == len(term.shape):
-            got_r = shape[term.shape.index("R")]
-            if R is None:
-                R = got_r
-            sizes["R"] = R
-        expected = spec_terms.term_shape(term.name, sizes)
+        expected = spec_terms.term_shape(term.name, sizes)       # R free until a term sets it
         if not _fits(shape, expected):
             free = {i: letter for i, letter in enumerate(term.shape)
                     if expected[i] is None and letter == "R"}
             raise ValueError(f"`{label(term.name)}` must have shape "
                              f"({', '.join(term.shape)}) = {_fmt(expected, free)}. "
                              f"Received: {label(term.name)}.shape={shape}")
+        if "R" in term.shape and R is None:
+            R = sizes["R"] = shape[term.shape.index("R")]
     return R
 
 

@@ -4,14 +4,17 @@
 shards attention heads over the mesh's ``"model"`` axis (tensor parallelism
 in the Megatron style) and ``model_parallel(mesh, target)`` wraps it in a
 ``keras.distribution.ModelParallel`` that also splits the batch over the
-``"data"`` axis. Variables are matched by their Keras paths.
+``"data"`` axis. Variables are matched by their Keras paths: the projections
+are MultiHeadAttention's EinsumDense sublayers (``<layer>/query/kernel``,
+``<layer>/attention_output/bias``, ...), the composition weights
+``<layer>/dynamic_projection/dw1``, ``<layer>/static_pre``, ...
 
 With P devices on the model axis:
 
-* Heads. The N axis of query_kernel (D_q, N, d), query_bias (N, d) and
-  output_kernel (N, d_v, D_out) is split into P contiguous blocks when
-  P divides N; key/value kernels (D_kv, N_kv, *) and biases when P divides
-  N_kv. Query head n reads kv head n // (N / N_kv), so contiguous blocks of
+* Heads. The N axis of query_kernel (D_q, N, d), query_bias (N, d),
+  output_kernel (N, d_v, D_out) and the gate's kernel and bias (``use_gate``)
+  is split into P contiguous blocks when P divides N; key/value kernels
+  (D_kv, N_kv, *) and biases when P divides N_kv. Query head n reads kv head n // (N / N_kv), so contiguous blocks of
   query heads read the same-numbered block of kv heads and GQA stays local.
 * Composition. Heads are mixed within groups of M = N / G consecutive heads.
   When P divides G, every device holds G / P whole groups: dw1 (D, G, C, K),
@@ -59,14 +62,23 @@ __all__ = ["layout_map", "model_parallel", "sharding_plan"]
 #: N_kv) or groups (G). None: never sharded.
 _DCMHA_AXES = {
     "query_kernel": ("N", 1), "query_bias": ("N", 0), "output_kernel": ("N", 0),
+    "gate_kernel": ("N", 1), "gate_bias": ("N", 0),
     "key_kernel": ("N_kv", 1), "value_kernel": ("N_kv", 1),
     "key_bias": ("N_kv", 0), "value_bias": ("N_kv", 0),
     "dw1": ("G", 1), "qkw": ("G", 0), "dd": ("G", 1),
     "static_pre": ("G", 0), "static_post": ("G", 0),
 }
 _RANKS = {"query_kernel": 3, "key_kernel": 3, "value_kernel": 3, "output_kernel": 3,
-          "query_bias": 2, "key_bias": 2, "value_bias": 2, "dw1": 4, "qkw": 5, "dd": 3,
-          "static_pre": 3, "static_post": 3}
+          "gate_kernel": 3, "query_bias": 2, "key_bias": 2, "value_bias": 2, "gate_bias": 2,
+          "dw1": 4, "qkw": 5, "dd": 3, "static_pre": 3, "static_post": 3}
+#: The variable path (below the DCMHA layer) of each canonical name that is not
+#: the path itself: the projections are EinsumDense sublayers named as in
+#: keras.layers.MultiHeadAttention.
+_PATHS = {"query_kernel": "query/kernel", "query_bias": "query/bias",
+          "key_kernel": "key/kernel", "key_bias": "key/bias",
+          "value_kernel": "value/kernel", "value_bias": "value/bias",
+          "gate_kernel": "gate/kernel", "gate_bias": "gate/bias",
+          "output_kernel": "attention_output/kernel"}
 
 
 def _positive_int(name, value):
@@ -180,7 +192,7 @@ def layout_map(mesh, target, *, model_axis: str = "model", data_axis: Optional[s
             prefix = "(" + "|".join(re.escape(p) for p in paths) + ")/(.*/)?"
         plan = sharding_plan(N, N_kv, G, P)
         for name, axis in plan.items():
-            lm[prefix + name] = _axes(_RANKS[name], axis, model_axis)
+            lm[prefix + _PATHS.get(name, name)] = _axes(_RANKS[name], axis, model_axis)
     from dcmha.models import DCFormerLM
 
     if isinstance(target, DCFormerLM):

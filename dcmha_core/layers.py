@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections.abc
 import math
+import string
 
 import numpy as np
 
@@ -16,6 +17,7 @@ import keras
 from keras import ops
 
 from dcmha import ops as dops
+from dcmha.call import shape_of as _shape
 from dcmha.spec import reference as spec
 
 _BOOL_ARGS = ("pre_compose", "post_compose", "query_wise", "key_wise", "dynamic_projection",
@@ -33,6 +35,260 @@ def _seeded(initializer, seed):
     if seed is not None and "seed" in config and config["seed"] is None:
         config["seed"] = seed
     return initializer.__class__.from_config(config)
+
+
+def readable_value(x):
+    """``x`` as a NumPy array when its value can be read now, else None.
+
+    None inside ``jax.jit`` (a tracer), a ``tf.function`` (a symbolic tensor),
+    ``torch.compile`` / ``torch.export`` / a TorchScript trace (where reading
+    would bake the value or break the graph) and for torch "meta" tensors.
+    """
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+        if isinstance(x, jax.core.Tracer):
+            return None
+    elif backend == "tensorflow":
+        import tensorflow as tf
+        if tf.is_tensor(x) and (tf.is_symbolic_tensor(x) or not tf.executing_eagerly()):
+            return None
+    elif backend == "torch":
+        import torch
+        if (torch.compiler.is_compiling() or torch.jit.is_tracing()
+                or (isinstance(x, torch.Tensor) and x.device.type == "meta")):
+            return None
+    return np.asarray(ops.convert_to_numpy(x))
+
+
+#: int32 [start, stop), also for an exporter's symbolic length (``dcmha.ops.arange_int32``).
+arange_int32 = dops.arange_int32
+
+
+#: The MultiHeadAttention arguments that fix the shapes of its weights:
+#: ``DCMHA.from_mha`` takes them from the MultiHeadAttention layer.
+_FROM_MHA_FIXED = ("num_heads", "key_dim", "value_dim", "num_key_value_heads", "use_bias",
+                   "use_gate", "output_shape", "attention_axes")
+
+
+def _same_sizes(a, b):
+    """Two shapes agree where both sizes are known (None: unknown)."""
+    return len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b))
+
+
+def _int_tuple(value, ok):
+    """An int or a non-empty iterable of ints, each passing ``ok``, as a tuple; else None."""
+    items = (value,) if isinstance(value, (int, np.integer)) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        return None
+    if not items or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not ok(n)
+                        for n in items):
+        return None
+    return tuple(int(n) for n in items)
+
+
+def _product(sizes):
+    out = 1
+    for n in sizes:
+        out = out * n
+    return out
+
+
+def _flash_implementation(flash_attention, implementation, dropout):
+    """``implementation`` once MultiHeadAttention's ``flash_attention`` switch is applied.
+
+    None keeps it; True needs a fused core ("auto", which takes one wherever
+    the call allows it, or a fast path's name) and, as in MultiHeadAttention,
+    no dropout; False is the plain "ops" core.
+    """
+    dops.resolve_implementation(implementation)
+    if flash_attention is None:
+        return implementation
+    if flash_attention:
+        if implementation == "ops":
+            raise ValueError("`flash_attention=True` asks for a fused attention core, which "
+                             "`implementation='ops'` rules out. Received: flash_attention=True, "
+                             "implementation='ops'")
+        if dropout:
+            raise ValueError("`flash_attention=True` cannot be combined with attention dropout: "
+                             f"no fused core applies it. Received: dropout={dropout!r}")
+        return implementation
+    if implementation not in ("auto", "ops"):
+        raise ValueError("`flash_attention=False` asks for the plain 'ops' core, which "
+                         f"`implementation={implementation!r}` contradicts. Received: "
+                         f"flash_attention=False, implementation={implementation!r}")
+    return "ops"
+
+
+def _projection_equation(bound, outputs):
+    """EinsumDense equation (B', L, *bound) x (*bound, *outputs) -> (B', L, *outputs), bias axes."""
+    letters = string.ascii_lowercase
+    lead, b = letters[:2], letters[2:2 + bound]
+    o = letters[2 + bound:2 + bound + outputs]
+    return f"{lead}{b},{b}{o}->{lead}{o}", o
+
+
+def _skip_next_empty_load(layer):
+    """Let ``layer``'s next ``load_own_variables`` pass over an empty store, once.
+
+    A dcmha 0.1.0 file holds the projection weights in the DCMHA layer's own
+    store (its ``load_own_variables`` has assigned them); Keras then visits
+    each projection sublayer with a store that such a file does not have.
+    """
+    def load_once(store):
+        del layer.load_own_variables          # back to the class's method
+        if len(store.keys()):
+            layer.load_own_variables(store)
+
+    layer.load_own_variables = load_once
+
+
+def _call_flag(name, value, traced_ok=False):
+    """A call flag as a Python bool (bools, ints: non-zero is True, scalar tensors).
+
+    A scalar tensor whose value cannot be read here (traced) is returned as a
+    boolean tensor when ``traced_ok``, else refused.
+    """
+    if isinstance(value, (bool, np.bool_, int, np.integer)):
+        return bool(value)
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        dtype = keras.backend.standardize_dtype(value.dtype)
+        if tuple(value.shape) == () and (dtype == "bool" or dtype.startswith(("int", "uint"))):
+            read = readable_value(value)
+            if read is not None:
+                return bool(read)
+            if traced_ok:
+                return ops.cast(value, "bool")
+            raise ValueError(f"`{name}` decides the structure of the outputs, so its value must "
+                             "be known when the layer is called: a Python bool or a concrete "
+                             f"scalar tensor. Received: a traced tensor of dtype {dtype}")
+        raise ValueError(f"`{name}` must be a boolean or a boolean scalar tensor. Received: "
+                         f"{name} of shape {tuple(value.shape)} and dtype {dtype}")
+    raise ValueError(f"`{name}` must be a boolean. Received: {name}={value!r}")
+
+
+def _mask_tensor(mask):
+    """``attention_mask`` as a boolean tensor, True (non-zero) = attend; lists are converted."""
+    if mask is None:
+        return None
+    if isinstance(mask, (list, tuple)):
+        try:
+            array = np.asarray(mask)
+        except ValueError:                      # ragged nesting
+            array = None
+        if array is None or array.dtype.kind not in "biuf":
+            raise TypeError("`attention_mask` must be a tensor, an array or a nested list of "
+                            "booleans or numbers of one shape. Received: a "
+                            f"{type(mask).__name__} NumPy cannot read as such"
+                            f"{'' if array is None else f' (dtype {array.dtype})'}")
+        mask = ops.convert_to_tensor(array)
+    elif not (hasattr(mask, "shape") and hasattr(mask, "dtype")):
+        raise TypeError("`attention_mask` must be a tensor, an array or a nested list (True / "
+                        f"non-zero = attend). Received: {type(mask).__name__}")
+    dtype = keras.backend.standardize_dtype(mask.dtype)
+    if dtype != "bool" and not dtype.startswith(("int", "uint", "float", "bfloat")):
+        raise TypeError("`attention_mask` must be boolean, integer or float (non-zero = attend). "
+                        f"Received: attention_mask.dtype={dtype}")
+    # MultiHeadAttention's conversion: every non-zero value attends.
+    return mask if dtype == "bool" else ops.cast(mask, "bool")
+
+
+def _check_fits(shape, expected, message):
+    """Raise ValueError(message) unless ``shape`` broadcasts to ``expected`` (static sizes)."""
+    if len(shape) > len(expected) or not all(
+            a in (1, None) or b is None or a == b for a, b in zip(shape[::-1], expected[::-1])):
+        raise ValueError(message)
+
+
+class _AxesLayout:
+    """How inputs reach the (B, L, D) attention core when ``attention_axes`` asks for it.
+
+    The axes of the inputs outside ``attention_axes`` (but the batch axis)
+    join the batch axis (B' = B x their sizes) and the attention axes are
+    flattened into one length, in the order given, so attention over them is
+    attention over their flattened product, as in MultiHeadAttention. Outputs
+    and scores are unflattened the same way; scores take MultiHeadAttention's
+    layout (B, <other axes>, N, <query attention axes>, <key attention axes>).
+    Rank-3 inputs attending over axis 1 pass unchanged (``identity``).
+    """
+
+    def __init__(self, rank, batch_axes, axes):
+        self.rank, self.batch_axes, self.axes = rank, batch_axes, axes
+        self.identity = rank == 3
+        self.perm = (0,) + batch_axes + axes
+
+    @classmethod
+    def create(cls, rank, attention_axes):
+        axes = (tuple(range(1, rank - 1)) if attention_axes is None
+                else tuple(a + rank if a < 0 else a for a in attention_axes))
+        if len(set(axes)) != len(axes) or any(not 1 <= a <= rank - 2 for a in axes):
+            raise ValueError("`attention_axes` must name distinct axes of the inputs other than "
+                             f"the batch axis and the last axis: for inputs of rank {rank}, "
+                             f"axes in [1, {rank - 2}] or [{1 - rank}, -2]. "
+                             f"Received: attention_axes={attention_axes!r}")
+        return cls(rank, tuple(a for a in range(1, rank - 1) if a not in axes), axes)
+
+    def check_batch_axes(self, query_shape, value_shape):
+        if not _same_sizes([query_shape[a] for a in self.batch_axes],
+                           [value_shape[a] for a in self.batch_axes]):
+            raise ValueError("`query` and `value` must have the same sizes on the axes outside "
+                             f"`attention_axes` {self.axes}. Received: query.shape="
+                             f"{tuple(query_shape)}, value.shape={tuple(value_shape)}")
+
+    def split(self, shape):
+        """(B and the other axes' sizes, the attention axes' sizes) of an input's shape."""
+        return ([shape[0]] + [shape[a] for a in self.batch_axes], [shape[a] for a in self.axes])
+
+    def flatten(self, x, features=True):
+        """(B, ..., [D]) -> (B', L, [D]); ``features=False`` for a (B, ...) Keras mask."""
+        if self.identity:
+            return x
+        x = ops.transpose(x, self.perm + ((self.rank - 1,) if features else ()))
+        shape = ops.shape(x)
+        n = len(self.perm)
+        return ops.reshape(x, (-1, _product(shape[n - len(self.axes):n])) + tuple(shape[n:]))
+
+    def unflatten_output(self, y, query):
+        """(B', T, *out) -> (B, <query axes but the last>, *out)."""
+        if self.identity:
+            return y
+        batch, attn = self.split(ops.shape(query))
+        out = tuple(y.shape[2:])
+        y = ops.reshape(y, tuple(batch) + tuple(attn) + out)
+        back = tuple(int(i) for i in np.argsort(self.perm))
+        return ops.transpose(y, back + tuple(range(self.rank - 1, self.rank - 1 + len(out))))
+
+    def scores_shape(self, query_shape, key_shape, num_heads):
+        batch, q_attn = self.split(query_shape)
+        return tuple(batch) + (num_heads,) + tuple(q_attn) + tuple(self.split(key_shape)[1])
+
+    def unflatten_scores(self, scores, query, key):
+        """(B', N, T, S) -> MultiHeadAttention's scores layout."""
+        if self.identity:
+            return scores
+        return ops.reshape(scores, self.scores_shape(ops.shape(query), ops.shape(key),
+                                                     scores.shape[1]))
+
+    def flatten_mask(self, mask, query, key, num_heads):
+        """An attention mask in the scores layout (smaller ranks expanded at the head
+        axis, as MultiHeadAttention does) -> (B', 1 or N, T, S)."""
+        target = self.scores_shape(_shape(query), _shape(key), num_heads)
+        head = -2 * len(self.axes) - 1
+        m = mask
+        while len(m.shape) < len(target):
+            m = ops.expand_dims(m, head)
+        heads = 1 if m.shape[head] == 1 else num_heads
+        target_h = target[:head] + (heads,) + target[head + 1:]
+        _check_fits(_shape(m), target_h if heads == 1 else target,
+                    "`attention_mask` must broadcast to the attention scores' shape "
+                    f"(B, <other axes>, N, <query attention axes>, <key attention axes>) = "
+                    f"{target}. Received: attention_mask.shape={tuple(mask.shape)}")
+        dyn = self.scores_shape(ops.shape(query), ops.shape(key), heads)
+        m = ops.broadcast_to(m, dyn)
+        n = len(self.axes)
+        return ops.reshape(m, (-1, heads, _product(dyn[-2 * n:-n]), _product(dyn[-n:])))
 
 
 @keras.saving.register_keras_serializable(package="dcmha")
@@ -125,6 +381,10 @@ class DynamicWeightProjection(keras.layers.Layer):
         return dops.dynamic_weights(inputs, dw1, qkw, dd, slots=slots, rank=self.rank,
                                     gelu_approximate=self.gelu_approximate)
 
+    def compute_mask(self, inputs, previous_mask=None):
+        # Per-position weights: the DCMHA layer consumes the inputs' Keras masks.
+        return None
+
     def compute_output_spec(self, inputs, slots=None):
         B, L = inputs.shape[0], inputs.shape[1]
         G, M, R = self._cfg.G, self._cfg.M, self._cfg.R
@@ -154,10 +414,16 @@ class DCMHA(keras.layers.Layer):
     Multi-head attention whose heads are mixed, per query/key position pair,
     by input-dependent matrices: once on the scores before the softmax
     (``pre_compose``) and once on the probabilities after it
-    (``post_compose``). With every composition switch off it is
-    ``keras.layers.MultiHeadAttention`` (without its biases by default).
-    The math is ``dcmha.spec.reference``; scores, compositions and softmax run
-    in float32 under any dtype policy.
+    (``post_compose``). With ``pre_compose=False, post_compose=False`` it is
+    ``keras.layers.MultiHeadAttention``: the same constructor and call
+    arguments with the same meaning, the same projection sublayers
+    (``EinsumDense`` named "query", "key", "value", "attention_output" and
+    "gate"), so LoRA, quantization, ``DTypePolicyMap``, regularizers and
+    constraints work as they do there (README, "Differences from
+    keras.layers.MultiHeadAttention", lists what differs by design).
+    ``DCMHA.from_mha`` turns a built MultiHeadAttention into a DCMHA with the
+    same output. The math is ``dcmha.spec.reference``; scores, compositions
+    and softmax run in float32 under any dtype policy.
 
     Args:
         num_heads: N, number of query heads.
@@ -181,8 +447,24 @@ class DCMHA(keras.layers.Layer):
         query_chunk_size: process queries in chunks (bounds memory by
             (B, N, chunk, S); results do not depend on it).
         dropout: dropout rate on the composed attention probabilities.
-        use_bias: biases on the four projections.
-        output_shape: output width D_out (int or 1-tuple; default D_q).
+        use_bias: biases on the projections (default False, as in the paper's
+            models; MultiHeadAttention defaults to True).
+        output_shape: the output's trailing shape, an int or a tuple of any
+            length (default: the query's last dimension D_q).
+        attention_axes: the axes of the inputs attention runs over (None: all
+            axes but the batch axis and the last one). With several axes the
+            attention is over their flattened product (the other axes act as
+            batch axes), as in MultiHeadAttention. Negative axes count from
+            the end of the input's shape.
+        use_gate: gate each head's output by sigmoid(query . W_gate + b)
+            before the output projection (MultiHeadAttention's gated
+            attention; sublayer "gate").
+        flash_attention: MultiHeadAttention's switch, mapped onto
+            ``implementation``: None keeps ``implementation``; True takes a
+            fused attention core wherever one can run the call
+            (``implementation="auto"`` or a fast path named there; like
+            MultiHeadAttention it refuses ``dropout`` > 0 and
+            ``return_attention_scores``); False runs the plain ``"ops"`` core.
         cross_attention: separate dynamic projections for the query input
             (query_*) and the key input (key_*), which may differ in width.
         implementation: the attention core. "ops": plain keras.ops, every
@@ -207,28 +489,51 @@ class DCMHA(keras.layers.Layer):
             "xla" inside a traced ``tf.function`` (eager calls take "ops": a
             per-shape XLA compile costs more than one call saves). See
             ``dcmha.ops.select_implementation``.
-        kernel_initializer, bias_initializer: for the four projections.
+        kernel_initializer, bias_initializer: for the projections.
+        kernel_regularizer, bias_regularizer, activity_regularizer,
+        kernel_constraint, bias_constraint: for the projections, as in
+            MultiHeadAttention (the composition weights have none).
         seed: int or None; seeds dropout and the initializers.
 
     Call arguments:
-        query: (B, T, D_q).
-        value: (B, S, D_kv).
+        query: (B, T, D_q), or (B, ..., D_q) with ``attention_axes``.
+        value: (B, S, D_kv) (same rank as ``query``).
         key: optional (B, S, D_kv); defaults to ``value``.
-        attention_mask: boolean (or integer, nonzero = attend), broadcastable
-            to (B, T, S), a head axis of size 1 allowed; True = attend. Fully
-            masked rows give zero output, never NaN.
-        use_causal_mask: keys s <= t only (with a cache: s <= cache_update_index + t).
+        attention_mask: True / non-zero = attend; boolean, integer or float
+            (float masks attend where non-zero, as MultiHeadAttention's), a
+            tensor, NumPy array or nested list. Broadcastable to (B, T, S),
+            or (B, N, T, S) for one mask per head (each head's composed
+            scores are masked by its own row); smaller ranks are expanded as
+            MultiHeadAttention does. Fully masked rows give zero output,
+            never NaN.
+        use_causal_mask: keys s <= t only (with a cache: s <=
+            cache_update_index + t). A bool, an int (non-zero = True) or a
+            boolean/integer scalar tensor (also a traced one).
         return_attention_scores: also return the post-composed, masked
             attention probabilities (B, N, T, S) (float32).
         training: dropout on (True) or off.
         cache: dict from ``init_cache`` (decoding): keys, values and key-side
             dynamic weights of S_max positions; S is then S_max.
-        cache_update_index: where the new keys are written; None reads the
-            cache without updating it.
+        cache_update_index: where the new keys are written (a Python int or
+            an integer scalar tensor, with 0 <= index and index + T <= S_max);
+            None reads the cache without updating it. Out of range it is a
+            ValueError whenever its value is known: a Python int always, a
+            tensor in eager calls. Under tracing (``jax.jit``, a
+            ``tf.function``, ``torch.compile``, an export) a tensor index
+            cannot be checked: the call then runs with the index clamped to
+            [0, S_max - T] (as XLA's dynamic_update_slice clamps, now on every
+            backend), so the cache gets what the clamped index writes, and its
+            output is NaN.
+        query_mask, value_mask, key_mask: (B, T) / (B, S) masks of the
+            inputs' positions (True = real). Keras fills them from the
+            inputs' own masks (``Embedding(mask_zero=True)``, ``Masking``);
+            they are combined with ``attention_mask`` and the causal mask by
+            a logical AND, as in MultiHeadAttention. The output carries the
+            query's Keras mask.
 
     Returns:
-        output (B, T, D_out); with scores ``(output, scores)``; with a cache
-        ``(output, cache)`` or ``(output, scores, cache)``.
+        output (B, T) + output_shape; with scores ``(output, scores)``; with a
+        cache ``(output, cache)`` or ``(output, scores, cache)``.
     """
 
     def __init__(self, num_heads, key_dim, value_dim=None, num_key_value_heads=None,
@@ -239,15 +544,20 @@ class DCMHA(keras.layers.Layer):
                  query_chunk_size=None, dropout=0.0, use_bias=False, output_shape=None,
                  cross_attention=False, implementation="auto",
                  kernel_initializer="glorot_uniform", bias_initializer="zeros", seed=None,
-                 **kwargs):
+                 attention_axes=None, use_gate=False, flash_attention=None,
+                 kernel_regularizer=None, bias_regularizer=None, activity_regularizer=None,
+                 kernel_constraint=None, bias_constraint=None, **kwargs):
         flags = dict(pre_compose=pre_compose, post_compose=post_compose, query_wise=query_wise,
                      key_wise=key_wise, dynamic_projection=dynamic_projection,
                      dynamic_gating=dynamic_gating, static_compose=static_compose,
                      gelu_approximate=gelu_approximate, qk_norm=qk_norm, use_bias=use_bias,
                      cross_attention=cross_attention)
-        for name, v in flags.items():
+        for name, v in dict(flags, use_gate=use_gate).items():
             if not isinstance(v, (bool, np.bool_)):
                 raise ValueError(f"`{name}` must be a boolean. Received: {name}={v!r}")
+        if flash_attention is not None and not isinstance(flash_attention, (bool, np.bool_)):
+            raise ValueError("`flash_attention` must be None or a boolean. "
+                             f"Received: flash_attention={flash_attention!r}")
         if rope_max_wavelength is not None and (
                 isinstance(rope_max_wavelength, bool)
                 or not isinstance(rope_max_wavelength, (int, float, np.integer, np.floating))):
@@ -265,35 +575,46 @@ class DCMHA(keras.layers.Layer):
         if (isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.floating))
                 or not 0.0 <= dropout < 1.0):
             raise ValueError(f"`dropout` must be a float in [0, 1). Received: dropout={dropout!r}")
+        output_dims = axes = None
         if output_shape is not None:
-            dims = (output_shape,) if isinstance(output_shape, (int, np.integer)) else output_shape
-            try:
-                dims = tuple(dims)
-            except TypeError:
-                dims = None
-            if (not dims or len(dims) != 1 or isinstance(dims[0], bool)
-                    or not isinstance(dims[0], (int, np.integer)) or dims[0] <= 0):
-                raise ValueError("`output_shape` must be None, a positive integer or a "
-                                 f"1-tuple of one. Received: output_shape={output_shape!r}")
-            output_shape = int(dims[0])
-        dops.resolve_implementation(implementation)
+            output_dims = _int_tuple(output_shape, lambda n: n > 0)
+            if output_dims is None:
+                raise ValueError("`output_shape` must be None, a positive integer or a tuple of "
+                                 f"positive integers. Received: output_shape={output_shape!r}")
+        if attention_axes is not None:
+            axes = _int_tuple(attention_axes, lambda a: True)
+            if axes is None or len(set(axes)) != len(axes):
+                raise ValueError("`attention_axes` must be None, an integer or a tuple of "
+                                 f"distinct integers. Received: attention_axes={attention_axes!r}")
+        implementation = _flash_implementation(flash_attention, implementation, dropout)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise ValueError(f"`seed` must be None or an integer. Received: seed={seed!r}")
         super().__init__(**kwargs)
+        self.supports_masking = True
         c = self._cfg
         self.num_heads, self.key_dim, self.value_dim = c.N, c.d, c.d_v
         self.num_key_value_heads, self.num_groups, self.rank = c.N_kv, c.G, c.R
         self.dynamic_hidden_dim = dynamic_hidden_dim
         for name, v in flags.items():
             setattr(self, name, bool(v))
+        self.use_gate = bool(use_gate)
+        self.flash_attention = None if flash_attention is None else bool(flash_attention)
+        self.attention_axes = axes
         self.rope_max_wavelength = rope_max_wavelength
         self.sliding_window = sliding_window
         self.query_chunk_size = query_chunk_size
         self.dropout = float(dropout)
-        self._output_dim = output_shape
+        self._output_dims = output_dims
         self.implementation = implementation
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+        self.bias_regularizer = keras.regularizers.get(bias_regularizer)
+        # Kept apart from Layer.activity_regularizer: as in MultiHeadAttention it
+        # applies to the projections' outputs, not to this layer's output.
+        self._activity_regularizer = keras.regularizers.get(activity_regularizer)
+        self.kernel_constraint = keras.constraints.get(kernel_constraint)
+        self.bias_constraint = keras.constraints.get(bias_constraint)
         self.seed = None if seed is None else int(seed)
         self.seed_generator = (keras.random.SeedGenerator(seed, name="dropout_seed")
                                if self.dropout > 0 else None)
@@ -304,16 +625,24 @@ class DCMHA(keras.layers.Layer):
     # ------------------------------------------------------------------ build
     def build(self, query_shape, value_shape, key_shape=None):
         key_shape = value_shape if key_shape is None else key_shape
-        for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
-            if len(shape) != 3 or shape[-1] is None:
+        shapes = dict(query=tuple(query_shape), value=tuple(value_shape), key=tuple(key_shape))
+        for name, shape in shapes.items():
+            if len(shape) < 3 or shape[-1] is None:
                 raise ValueError(f"DCMHA expects `{name}` of shape (B, L, D) with a known D. "
-                                 f"Received: {name}_shape={tuple(shape)}")
+                                 f"Received: {name}_shape={shape}")
             if shape[-1] <= 0:
                 raise ValueError(f"`{name}` must have a positive last dimension D. "
-                                 f"Received: {name}_shape={tuple(shape)}")
-        if None not in (value_shape[1], key_shape[1]) and value_shape[1] != key_shape[1]:
+                                 f"Received: {name}_shape={shape}")
+        query_shape, value_shape, key_shape = shapes["query"], shapes["value"], shapes["key"]
+        if not len(query_shape) == len(value_shape) == len(key_shape):
+            raise ValueError("`query`, `value` and `key` must have the same rank. Received: "
+                             f"query_shape={query_shape}, value_shape={value_shape}, "
+                             f"key_shape={key_shape}")
+        if not _same_sizes(value_shape[1:-1], key_shape[1:-1]):
             raise ValueError("`key` and `value` must have the same length. Received: "
-                             f"value_shape={tuple(value_shape)}, key_shape={tuple(key_shape)}")
+                             f"value_shape={value_shape}, key_shape={key_shape}")
+        self._layout = _AxesLayout.create(len(query_shape), self.attention_axes)
+        self._layout.check_batch_axes(query_shape, value_shape)
         c = self._cfg
         D_q, D_k, D_v = query_shape[-1], key_shape[-1], value_shape[-1]
         if self._slots and not c.cross_attention and D_q != D_k:
@@ -321,28 +650,41 @@ class DCMHA(keras.layers.Layer):
                 "Self-attention dynamic weights share one projection, so `query` and `key` "
                 f"must have the same width. Received: query width {D_q}, key width {D_k}; "
                 "use cross_attention=True for separate projections.")
-        D_out = self._output_dim or D_q
-        self._dims = dict(query=D_q, key=D_k, value=D_v, output=D_out)
+        out_dims = self._output_dims or (D_q,)
+        self._dims = dict(query=D_q, key=D_k, value=D_v, output=out_dims)
         N, N_kv, d, d_v, G, M = c.N, c.N_kv, c.d, c.d_v, c.G, c.M
         seed = (lambda i: None) if self.seed is None else (lambda i: self.seed + 100 + i)
+        common = dict(kernel_regularizer=self.kernel_regularizer,
+                      bias_regularizer=self.bias_regularizer,
+                      activity_regularizer=self._activity_regularizer,
+                      kernel_constraint=self.kernel_constraint,
+                      bias_constraint=self.bias_constraint, dtype=self.dtype_policy)
 
-        def kernel(name, shape, i):
-            return self.add_weight(name=name, shape=shape,
-                                   initializer=_seeded(self.kernel_initializer, seed(i)))
+        def projection(name, width, bound, out, i, activation=None):
+            # The inputs reach the projections flattened to (B', L, ...) (see
+            # _AxesLayout), so one equation serves every input rank; the kernel
+            # and bias shapes are MultiHeadAttention's.
+            equation, bias_axes = _projection_equation(bound, len(out))
+            layer = keras.layers.EinsumDense(
+                equation, output_shape=(None,) + tuple(out),
+                bias_axes=bias_axes if c.use_bias else None, activation=activation,
+                kernel_initializer=_seeded(self.kernel_initializer, seed(i)),
+                bias_initializer=_seeded(self.bias_initializer, seed(i + 4)), name=name,
+                **common)
+            # The inputs may carry Keras masks, which this layer consumes; the
+            # projection passes them on like Dense instead of warning.
+            layer.supports_masking = True
+            layer.build((None, None) + tuple(width))
+            return layer
 
-        def bias(name, shape, i):
-            return self.add_weight(name=name, shape=shape,
-                                   initializer=_seeded(self.bias_initializer, seed(i)))
-
-        self.query_kernel = kernel("query_kernel", (D_q, N, d), 0)
-        self.key_kernel = kernel("key_kernel", (D_k, N_kv, d), 1)
-        self.value_kernel = kernel("value_kernel", (D_v, N_kv, d_v), 2)
-        self.output_kernel = kernel("output_kernel", (N, d_v, D_out), 3)
-        if c.use_bias:
-            self.query_bias = bias("query_bias", (N, d), 4)
-            self.key_bias = bias("key_bias", (N_kv, d), 5)
-            self.value_bias = bias("value_bias", (N_kv, d_v), 6)
-            self.output_bias = bias("output_bias", (D_out,), 7)
+        # Created in MultiHeadAttention's order, so that with composition off
+        # `get_weights()` lists the same arrays in the same order.
+        self._query_dense = projection("query", (D_q,), 1, (N, d), 0)
+        self._key_dense = projection("key", (D_k,), 1, (N_kv, d), 1)
+        self._gate_dense = (projection("gate", (D_q,), 1, (N, d_v), 12, activation="sigmoid")
+                            if self.use_gate else None)
+        self._value_dense = projection("value", (D_v,), 1, (N_kv, d_v), 2)
+        self._output_dense = projection("attention_output", (N, d_v), 2, out_dims, 3)
         self.static_pre = self.static_post = None
         if c.static_compose:
             for i, stage in enumerate(("pre", "post")):
@@ -358,7 +700,7 @@ class DCMHA(keras.layers.Layer):
             self.key_norm_scale = self.add_weight(name="key_norm_scale", shape=(d,),
                                                   initializer="ones", autocast=False)
 
-        def projection(name, slots, width, i):
+        def dynamic(name, slots, width, i):
             layer = DynamicWeightProjection(
                 slots, num_heads=N, num_groups=G, rank=c.R,
                 dynamic_hidden_dim=c.dynamic_hidden_dim,
@@ -372,26 +714,90 @@ class DCMHA(keras.layers.Layer):
         self.query_dynamic_projection = self.key_dynamic_projection = None
         if c.cross_attention:
             if self._query_slots:
-                self.query_dynamic_projection = projection(
+                self.query_dynamic_projection = dynamic(
                     "query_dynamic_projection", self._query_slots, D_q, 0)
             if self._key_slots:
-                self.key_dynamic_projection = projection(
+                self.key_dynamic_projection = dynamic(
                     "key_dynamic_projection", self._key_slots, D_k, 1)
         elif self._slots:
-            self.dynamic_projection_layer = projection("dynamic_projection", self._slots, D_q, 0)
+            self.dynamic_projection_layer = dynamic("dynamic_projection", self._slots, D_q, 0)
+
+    # ------------------------------------------------ projections (Keras layers)
+    # MultiHeadAttention's names for its EinsumDense sublayers.
+    query_dense = property(lambda self: self._query_dense)
+    key_dense = property(lambda self: self._key_dense)
+    value_dense = property(lambda self: self._value_dense)
+    output_dense = property(lambda self: self._output_dense)
+    gate_dense = property(lambda self: self._gate_dense)
+
+    def _projections(self):
+        """{spec prefix: EinsumDense} of the built projections."""
+        out = dict(query=self._query_dense, key=self._key_dense, value=self._value_dense,
+                   output=self._output_dense)
+        if self._gate_dense is not None:
+            out["gate"] = self._gate_dense
+        return out
+
+    # The 0.1.0 attribute names of the projection weights (read-only views).
+    query_kernel = property(lambda self: self._query_dense.kernel)
+    key_kernel = property(lambda self: self._key_dense.kernel)
+    value_kernel = property(lambda self: self._value_dense.kernel)
+    output_kernel = property(lambda self: self._output_dense.kernel)
+    query_bias = property(lambda self: self._query_dense.bias)
+    key_bias = property(lambda self: self._key_dense.bias)
+    value_bias = property(lambda self: self._value_dense.bias)
+    output_bias = property(lambda self: self._output_dense.bias)
+
+    def enable_lora(self, rank, lora_alpha=None, a_initializer="he_uniform",
+                    b_initializer="zeros", projections=("query", "value")):
+        """LoRA on the projections (``EinsumDense.enable_lora`` on each).
+
+        ``projections`` names the sublayers: any of "query", "key", "value",
+        "attention_output", "gate" (default: query and value, the common
+        choice for attention). Their kernels become non-trainable; the
+        composition weights stay trainable.
+        """
+        if not self.built:
+            raise ValueError(f"DCMHA layer '{self.name}' is not built yet: call it on inputs "
+                             "or call `build()` first, then `enable_lora()`.")
+        by_name = {layer.name: layer for layer in self._projections().values()}
+        names = (projections,) if isinstance(projections, str) else tuple(projections)
+        unknown = [n for n in names if n not in by_name]
+        if not names or unknown:
+            raise ValueError(f"`projections` must name sublayers among {sorted(by_name)}. "
+                             f"Received: projections={projections!r}")
+        for n in names:
+            by_name[n].enable_lora(rank, lora_alpha=lora_alpha, a_initializer=a_initializer,
+                                   b_initializer=b_initializer)
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Quantize the projections (``EinsumDense.quantize``); the composition stays float32."""
+        for layer in self._projections().values():
+            layer.quantize(mode, type_check=type_check, config=config)
+        self._is_quantized = True
 
     # ------------------------------------------------------- canonical names
+    def _check_float_projections(self, what):
+        modes = sorted({layer.quantization_mode for layer in self._projections().values()}
+                       - {None})
+        if modes:
+            raise ValueError(f"DCMHA layer '{self.name}' has quantized projections ({modes}); "
+                             f"{what} needs their float weights.")
+
     def _spec_variables(self):
         """Canonical spec name -> variable."""
         if not self.built:
             return None
-        names = ["query_kernel", "key_kernel", "value_kernel", "output_kernel"]
+        dense = self._projections()
+        out = {f"{n}_kernel": layer._kernel for n, layer in dense.items()}
         if self._cfg.use_bias:
-            names += ["query_bias", "key_bias", "value_bias", "output_bias"]
-        names += [n for n in ("static_pre", "static_post") if getattr(self, n) is not None]
+            out.update({f"{n}_bias": layer.bias for n, layer in dense.items()})
+        for n in ("static_pre", "static_post"):
+            if getattr(self, n) is not None:
+                out[n] = getattr(self, n)
         if self._cfg.qk_norm:
-            names += ["query_norm_scale", "key_norm_scale"]
-        out = {n: getattr(self, n) for n in names}
+            out.update(query_norm_scale=self.query_norm_scale,
+                       key_norm_scale=self.key_norm_scale)
         for prefix, layer in (("", self.dynamic_projection_layer),
                               ("query_", self.query_dynamic_projection),
                               ("key_", self.key_dynamic_projection)):
@@ -402,19 +808,26 @@ class DCMHA(keras.layers.Layer):
         return out
 
     def spec_weights(self):
-        """The weights under the spec's canonical names, as NumPy arrays."""
+        """The weights under the spec's canonical names, as NumPy arrays.
+
+        Projection kernels are the ones the layer computes with (LoRA merged).
+        """
         if not self.built:
             raise ValueError(f"DCMHA layer '{self.name}' is not built yet: call it on inputs "
                              "or call `build()` first.")
-        return {n: np.asarray(keras.ops.convert_to_numpy(v.value))
-                for n, v in self._spec_variables().items()}
+        self._check_float_projections("spec_weights()")
+        values = {n: v.value for n, v in self._spec_variables().items()}
+        values.update({f"{n}_kernel": layer.kernel for n, layer in self._projections().items()})
+        return {n: np.asarray(keras.ops.convert_to_numpy(v)) for n, v in values.items()}
 
     def load_spec_weights(self, weights):
         """Set the weights from ``{canonical name: array}`` (all of them, or none).
 
         An unbuilt layer is built from the kernel shapes. Raises ValueError
         naming unknown or missing names, or a name with its expected and
-        received shape; nothing is assigned unless everything is valid.
+        received shape; nothing is assigned unless everything is valid. With
+        LoRA enabled the given kernels become the frozen ones and the LoRA
+        update restarts from zero (``lora_kernel_b`` = 0).
         """
         if not isinstance(weights, collections.abc.Mapping):
             raise TypeError("`weights` must be a mapping {canonical name: array}. "
@@ -429,6 +842,7 @@ class DCMHA(keras.layers.Layer):
             self.build((None, None, weights["query_kernel"].shape[0]),
                        (None, None, weights["value_kernel"].shape[0]),
                        (None, None, weights["key_kernel"].shape[0]))
+        self._check_float_projections("load_spec_weights()")
         variables = self._spec_variables()
         unknown = sorted(set(weights) - set(variables))
         if unknown:
@@ -448,6 +862,104 @@ class DCMHA(keras.layers.Layer):
                                  f"received {tuple(weights[n].shape)}.")
         for n, v in variables.items():
             v.assign(weights[n].astype(v.dtype))
+        for layer in self._projections().values():
+            if layer.lora_enabled:
+                layer.lora_kernel_b.assign(ops.zeros(layer.lora_kernel_b.shape))
+
+    # ------------------------------------------------ MultiHeadAttention -> DCMHA
+    @classmethod
+    def from_mha(cls, mha, **compose_options):
+        """A DCMHA with the weights of a built ``keras.layers.MultiHeadAttention``.
+
+        The attention arguments (heads, sizes, biases, gate, output shape,
+        attention axes, initializers, regularizers, dtype policy, ...) come
+        from ``mha.get_config()``; ``compose_options`` are the composition
+        arguments (``num_groups``, ``rank``, ``static_compose``, ...; the
+        composition is on by default) and ``name``. The composition starts at
+        exactly the identity, so the new layer's output equals the MHA's
+        until it is trained (the paper's route for adapting a pretrained
+        Transformer): the ``w2`` half of ``qkw``, ``dd`` and the static mixes
+        are zero, while the ``w1`` half of ``qkw`` and ``dw1`` keep their
+        random initialisation. As with LoRA's zero B, the first step moves
+        ``w2``, ``dd`` and the static mixes; ``w1`` and ``dw1`` follow.
+        """
+        if not isinstance(mha, keras.layers.MultiHeadAttention):
+            raise TypeError("`mha` must be a keras.layers.MultiHeadAttention layer. "
+                            f"Received: {type(mha).__name__}")
+        if not mha.built:
+            raise ValueError(f"`mha` must be built (call it on inputs first). Received: the "
+                             f"unbuilt layer {mha.name!r}")
+        fixed = sorted(set(compose_options) & set(_FROM_MHA_FIXED))
+        if fixed:
+            raise ValueError(f"`from_mha` takes {fixed} from the MultiHeadAttention layer. "
+                             f"Received: {', '.join(f'{n}={compose_options[n]!r}' for n in fixed)}")
+        theirs = dict(query=mha._query_dense, key=mha._key_dense, value=mha._value_dense,
+                      output=mha._output_dense)
+        if getattr(mha, "_gate_dense", None) is not None:
+            theirs["gate"] = mha._gate_dense
+        modes = sorted({layer.quantization_mode for layer in theirs.values()} - {None})
+        if modes:
+            raise ValueError(f"`mha` has quantized projections ({modes}); from_mha needs float "
+                             "weights.")
+        config = {k: v for k, v in mha.get_config().items() if k != "name"}
+        layer = cls(**{**config, **compose_options})
+        layer.build(**mha.get_build_config()["shapes_dict"])
+        for n, dense in layer._projections().items():
+            dense._kernel.assign(ops.cast(theirs[n].kernel, dense._kernel.dtype))
+            if dense.bias is not None:
+                dense.bias.assign(theirs[n].bias)
+        layer._reset_composition()
+        return layer
+
+    def _reset_composition(self):
+        """Make every composition exactly the identity without a dead start (see from_mha)."""
+        for proj in (self.dynamic_projection_layer, self.query_dynamic_projection,
+                     self.key_dynamic_projection):
+            if proj is None:
+                continue
+            if proj.qkw is not None:
+                # qkw (G, C, K, 2R, M): rows [:R] give w1, rows [R:] give w2; the
+                # low-rank terms are w1 (x) w2, so w2 = 0 zeroes them while w2
+                # still gets the gradient w1 . dL/dW (as LoRA's zero B).
+                qkw = np.array(keras.ops.convert_to_numpy(proj.qkw.value))
+                qkw[:, :, :, proj.rank:, :] = 0.0
+                proj.qkw.assign(qkw)
+            if proj.dd is not None:
+                proj.dd.assign(ops.zeros(proj.dd.shape, proj.dd.dtype))
+        for v in (self.static_pre, self.static_post):
+            if v is not None:
+                v.assign(ops.zeros(v.shape, v.dtype))
+
+    # ------------------------------------------------------- saved files
+    def _legacy_variables(self):
+        """This layer's variables in the order dcmha 0.1.0 saved them, all its own.
+
+        0.1.0 held the projection kernels and biases itself (query_kernel, ...,
+        output_bias) before the static mixes and the QK-norm scales; the
+        dynamic projections were sublayers then as now.
+        """
+        dense = [self._query_dense, self._key_dense, self._value_dense, self._output_dense]
+        out = [layer._kernel for layer in dense]
+        if self._cfg.use_bias:
+            out += [layer.bias for layer in dense]
+        out += [v for v in (self.static_pre, self.static_post) if v is not None]
+        if self._cfg.qk_norm:
+            out += [self.query_norm_scale, self.key_norm_scale]
+        return out
+
+    def load_own_variables(self, store):
+        """Load this layer's variables; also reads the 0.1.0 layout (``.keras``, ``.weights.h5``)."""
+        legacy = self._legacy_variables() if self.built and not self.use_gate else []
+        own = self._trainable_variables + self._non_trainable_variables
+        # 0.1.0 stored >= 4 more arrays here (the projection kernels), so the
+        # count tells the layouts apart.
+        if len(legacy) > len(own) and len(store.keys()) == len(legacy):
+            for i, v in enumerate(legacy):
+                v.assign(store[str(i)])
+            for layer in self._projections().values():
+                _skip_next_empty_load(layer)
+            return
+        super().load_own_variables(store)
 
     # ------------------------------------------------------------------ cache
     def init_cache(self, batch, max_length, dtype=None):
@@ -486,33 +998,37 @@ class DCMHA(keras.layers.Layer):
 
     # ------------------------------------------------------------------- call
     def _check_inputs(self, query, value, key):
+        rank = self._layout.rank
         for name, x in (("query", query), ("value", value), ("key", key)):
-            if len(x.shape) != 3:
-                raise ValueError(f"`{name}` must have rank 3 (B, L, D). "
+            if len(x.shape) != rank:
+                raise ValueError(f"`{name}` must have rank {rank} "
+                                 f"{'(B, L, D)' if rank == 3 else '(B, ..., D)'}. "
                                  f"Received: {name}.shape={tuple(x.shape)}")
             if x.shape[-1] != self._dims[name]:
                 raise ValueError(f"`{name}` must have last dimension {self._dims[name]} (the "
                                  f"layer was built for it). Received: {name}.shape="
                                  f"{tuple(x.shape)}")
-        if None not in (value.shape[1], key.shape[1]) and value.shape[1] != key.shape[1]:
+        # Static sizes only: an exporter's symbolic sizes (torch traced sizes, jax
+        # dimension variables) read as None and are not compared.
+        if not _same_sizes(_shape(value)[1:-1], _shape(key)[1:-1]):
             raise ValueError("`key` and `value` must have the same length. Received: "
                              f"value.shape={tuple(value.shape)}, key.shape={tuple(key.shape)}")
-        if len({x.shape[0] for x in (query, value, key)} - {None}) > 1:
+        if len({_shape(x)[0] for x in (query, value, key)} - {None}) > 1:
             raise ValueError("`query`, `value` and `key` must have the same batch size. "
                              f"Received: query.shape={tuple(query.shape)}, "
                              f"value.shape={tuple(value.shape)}, key.shape={tuple(key.shape)}")
-
-    @staticmethod
-    def _check_flags(**flags):
-        for name, v in flags.items():
-            if not isinstance(v, (bool, np.bool_)):
-                raise ValueError(f"`{name}` must be a boolean. Received: {name}={v!r}")
+        self._layout.check_batch_axes(_shape(query), _shape(value))
 
     @staticmethod
     def _check_index(index, new_length, cache_length):
-        """cache_update_index: None, an int >= 0, or an integer scalar tensor."""
+        """cache_update_index: None, an int >= 0, or an integer scalar tensor.
+
+        A tensor is range-checked when its value can be read (eager calls);
+        returns True for a tensor whose value is unknown here (traced), whose
+        range the caller must guard in the graph (see ``_guard_index``).
+        """
         if index is None:
-            return
+            return False
         message = "`cache_update_index` must be None, an integer or an integer scalar tensor."
         if hasattr(index, "shape") and hasattr(index, "dtype"):
             dtype = keras.backend.standardize_dtype(index.dtype)
@@ -521,7 +1037,10 @@ class DCMHA(keras.layers.Layer):
             if tuple(index.shape) != ():
                 raise TypeError(f"{message} Received: cache_update_index of shape "
                                 f"{tuple(index.shape)}")
-            return
+            value = readable_value(index)
+            if value is None:
+                return True
+            index = int(value)
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
             raise TypeError(f"{message} Received: cache_update_index={index!r}")
         if index < 0:
@@ -531,15 +1050,81 @@ class DCMHA(keras.layers.Layer):
             raise ValueError("`cache_update_index` + the new length must be at most the cache "
                              f"length {cache_length}. Received: cache_update_index={index}, "
                              f"new length {new_length}")
+        return False
 
-    def _project(self, x, kernel, bias_name):
-        # Explicit casts (no-ops inside __call__'s autocast scope) so that
-        # compute_intermediates, which bypasses __call__, computes the same.
-        cd = self.compute_dtype
-        y = ops.einsum("bld,dnh->blnh", ops.cast(x, cd), ops.cast(kernel, cd))
-        if self._cfg.use_bias:
-            y = y + ops.cast(getattr(self, bias_name), cd)
-        return ops.cast(y, "float32")
+    @staticmethod
+    def _guard_index(index, new_length, cache_length):
+        """A traced index's (clamped index, out-of-range flag).
+
+        The call runs with the index clamped to [0, S_max - T_new] (what XLA's
+        dynamic_update_slice does, now on every backend) and the flag turns
+        its output NaN, so that a bad index shows instead of being silent.
+        """
+        index = ops.cast(index, "int32")
+        clamped = ops.clip(index, 0, ops.cast(cache_length - new_length, "int32"))
+        return clamped, ops.not_equal(clamped, index)
+
+    @staticmethod
+    def _project(dense, x):
+        # The sublayer's own __call__ casts to its compute dtype (also when
+        # compute_intermediates bypasses this layer's __call__).
+        return ops.cast(dense(x), "float32")
+
+    def _attention_mask(self, query, value, key, attention_mask, query_mask, value_mask,
+                        key_mask, causal, T, S, offset, has_cache):
+        """The boolean mask for the core, and the causal flag left for the core to apply.
+
+        MultiHeadAttention's combination by logical AND: ``attention_mask``, the
+        query mask as (B, T, 1), the value and key masks as (B, 1, S), the causal
+        mask; in the flattened layout (``_AxesLayout``). A traced causal flag is
+        applied here as a mask.
+        """
+        layout = self._layout
+        mask = _mask_tensor(attention_mask)
+        parts = []
+        if mask is not None:
+            parts.append(mask if layout.identity
+                         else layout.flatten_mask(mask, query, key, self.num_heads))
+        for name, m, x, axis in (("query_mask", query_mask, query, -1),
+                                 ("value_mask", value_mask, value, -2),
+                                 ("key_mask", key_mask, key, -2)):
+            if m is None:
+                continue
+            if axis == -2 and has_cache:
+                raise ValueError(f"`{name}` cannot be combined with a `cache`: the keys are the "
+                                 "cache's S_max positions; pass an `attention_mask` over them.")
+            if not hasattr(m, "shape") or not _same_sizes(_shape(m), _shape(x)[:-1]):
+                got = f"{name}.shape={tuple(m.shape)}" if hasattr(m, "shape") else type(m).__name__
+                name_x = name.split("_")[0]
+                raise ValueError(f"`{name}` must have the shape of `{name_x}` without its last "
+                                 f"axis, {tuple(x.shape)[:-1]}. Received: {got}")
+            m = ops.cast(m, "bool")
+            parts.append(ops.expand_dims(layout.flatten(m, features=False), axis))
+        if not isinstance(causal, bool):
+            t = arange_int32(0, T)[:, None] + ops.cast(offset, "int32")
+            s = arange_int32(0, S)[None, :]
+            parts.append(ops.logical_or(ops.less_equal(s, t), ops.logical_not(causal))[None])
+            causal = False
+        if len(parts) > 1 and mask is not None and layout.identity:
+            # Combined below: check the explicit mask here, as the core would.
+            B, N = _shape(query)[0], self.num_heads
+            T_, S_ = _shape(query)[1], (S if isinstance(S, int) else None)
+            four = len(mask.shape) == 4
+            _check_fits(_shape(mask), (B, N, T_, S_) if four else (B, T_, S_),
+                        f"`attention_mask` must broadcast to (B, T, S) = {(B, T_, S_)}"
+                        f"{f' or (B, N, T, S) = {(B, N, T_, S_)}' if four else ''}. "
+                        f"Received: attention_mask.shape={tuple(mask.shape)}")
+        if len(parts) <= 1:
+            return (parts[0] if parts else None), causal
+        rank = 4 if any(len(p.shape) == 4 for p in parts) else 3
+        combined = None
+        for p in parts:
+            while len(p.shape) < 3:
+                p = p[None]
+            if rank == 4 and len(p.shape) == 3:
+                p = p[:, None]
+            combined = p if combined is None else ops.logical_and(combined, p)
+        return combined, causal
 
     def _qk(self, y, scale, positions):
         """QK-norm then RoPE, in float32."""
@@ -551,21 +1136,37 @@ class DCMHA(keras.layers.Layer):
 
     def _forward(self, query, value, key=None, attention_mask=None, use_causal_mask=False,
                  training=None, cache=None, cache_update_index=None, scores=False,
-                 intermediates=False):
+                 intermediates=False, query_mask=None, value_mask=None, key_mask=None):
         key = value if key is None else key
+        self_attention = key is query
         self._check_inputs(query, value, key)
-        self._check_flags(use_causal_mask=use_causal_mask)
+        causal = _call_flag("use_causal_mask", use_causal_mask, traced_ok=True)
+        layout = self._layout
+        if cache is not None and not layout.identity:
+            raise ValueError("A decoding `cache` needs inputs of rank 3 (B, L, D). Received: "
+                             f"query.shape={tuple(query.shape)}")
         if cache is not None:
             self._check_cache(cache, query.shape[0])
-            self._check_index(cache_update_index, query.shape[1], cache["key"].shape[1])
+        out_of_range = write_index = None
+        # The slice written is the new keys': index + their length must fit the cache.
+        if cache is not None and self._check_index(cache_update_index, key.shape[1],
+                                                   cache["key"].shape[1]):
+            write_index, out_of_range = self._guard_index(
+                cache_update_index, ops.shape(key)[1], ops.shape(cache["key"])[1])
+        inputs = (query, value, key)
+        query, value, key = (layout.flatten(x) for x in inputs)
+        if self_attention:                   # one projection of the dynamic weights
+            key = query
         c = self._cfg
         T = ops.shape(query)[1]
+        if write_index is not None:
+            cache_update_index = write_index
         offset = 0 if cache_update_index is None else cache_update_index
-        q_pos = ops.arange(T, dtype="int32") + ops.cast(offset, "int32") \
+        q_pos = arange_int32(0, T) + ops.cast(offset, "int32") \
             if c.rope_max_wavelength is not None else None
         qscale = getattr(self, "query_norm_scale", None)
         kscale = getattr(self, "key_norm_scale", None)
-        q = self._qk(self._project(query, self.query_kernel, "query_bias"), qscale, q_pos)
+        q = self._qk(self._project(self._query_dense, query), qscale, q_pos)
 
         # Dynamic weights: query-side slots read `query`, key-side slots `key`.
         read_only = cache is not None and cache_update_index is None
@@ -575,7 +1176,7 @@ class DCMHA(keras.layers.Layer):
                     if self.key_dynamic_projection and not read_only else {})
         elif not self._slots:
             qdyn, kdyn = {}, {}
-        elif key is query and not read_only:
+        elif self_attention and not read_only:
             dyn = self.dynamic_projection_layer(query)
             qdyn = {s: dyn[s] for s in self._query_slots}
             kdyn = {s: dyn[s] for s in self._key_slots}
@@ -588,10 +1189,10 @@ class DCMHA(keras.layers.Layer):
         new_cache = None
         if not read_only:
             S_new = ops.shape(key)[1]
-            k_pos = ops.arange(S_new, dtype="int32") + ops.cast(offset, "int32") \
+            k_pos = arange_int32(0, S_new) + ops.cast(offset, "int32") \
                 if c.rope_max_wavelength is not None else None
-            k = self._qk(self._project(key, self.key_kernel, "key_bias"), kscale, k_pos)
-            v = self._project(value, self.value_kernel, "value_bias")
+            k = self._qk(self._project(self._key_dense, key), kscale, k_pos)
+            v = self._project(self._value_dense, value)
         if cache is not None:
             new_cache = dict(cache)
             if not read_only:
@@ -611,6 +1212,9 @@ class DCMHA(keras.layers.Layer):
                         for n in ("w1", "w2", "dd") if f"{s}_{n}" in new_cache}
                     for s in self._key_slots}
 
+        mask, causal = self._attention_mask(
+            *inputs, attention_mask, query_mask, value_mask, key_mask, causal, T,
+            ops.shape(k)[1], offset, cache is not None)
         terms = {}
         for stage in ("pre", "post"):
             if getattr(c, stage + "_compose"):
@@ -618,29 +1222,39 @@ class DCMHA(keras.layers.Layer):
                 terms[stage] = dops.stage_terms(stage, qdyn, kdyn, static)
         result = dops.dcmha_attention(
             q, k, v, num_groups=c.G, pre=terms.get("pre"), post=terms.get("post"),
-            attention_mask=attention_mask, use_causal_mask=use_causal_mask,
+            attention_mask=mask, use_causal_mask=causal,
             sliding_window=c.sliding_window, query_offset=offset,
             query_chunk_size=c.query_chunk_size, dropout_rate=self.dropout,
             seed=self.seed_generator, training=bool(training),
             return_attention_scores=scores, return_intermediates=intermediates,
             implementation=self.implementation)
         o, extras = result if (scores or intermediates) else (result, {})
-        cd = self.compute_dtype
-        y = ops.einsum("btnh,nho->bto", ops.cast(o, cd), ops.cast(self.output_kernel, cd))
-        if c.use_bias:
-            y = y + ops.cast(self.output_bias, cd)
+        o = ops.cast(o, self.compute_dtype)
+        if self._gate_dense is not None:
+            o = o * self._gate_dense(query)
+        y = layout.unflatten_output(self._output_dense(o), inputs[0])
+        if "attention_scores" in extras:
+            extras["attention_scores"] = layout.unflatten_scores(
+                extras["attention_scores"], inputs[0], inputs[2])
+        if out_of_range is not None:
+            y = ops.where(out_of_range, ops.cast(float("nan"), y.dtype), y)
         if intermediates:
             extras.update(query_dynamic=qdyn, key_dynamic=kdyn, q=q, k=k, v=v)
         return y, extras, new_cache
 
     def call(self, query, value, key=None, attention_mask=None, use_causal_mask=False,
              return_attention_scores=False, training=None, cache=None,
-             cache_update_index=None):
-        self._check_flags(return_attention_scores=return_attention_scores)
+             cache_update_index=None, query_mask=None, value_mask=None, key_mask=None):
+        return_attention_scores = _call_flag("return_attention_scores", return_attention_scores)
+        if return_attention_scores and self.flash_attention:
+            raise ValueError("`return_attention_scores=True` cannot be used with "
+                             "`flash_attention=True`: fused attention cores do not return "
+                             "scores.")
         y, extras, new_cache = self._forward(
             query, value, key, attention_mask=attention_mask, use_causal_mask=use_causal_mask,
             training=training, cache=cache, cache_update_index=cache_update_index,
-            scores=return_attention_scores)
+            scores=return_attention_scores, query_mask=query_mask, value_mask=value_mask,
+            key_mask=key_mask)
         out = (y,)
         if return_attention_scores:
             out += (extras["attention_scores"],)
@@ -667,17 +1281,20 @@ class DCMHA(keras.layers.Layer):
 
     # ---------------------------------------------------------------- shapes
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
-        return tuple(query_shape[:-1]) + (self._output_dim or query_shape[-1],)
+        return tuple(query_shape[:-1]) + tuple(self._output_dims or (query_shape[-1],))
 
     def compute_output_spec(self, query, value, key=None, attention_mask=None,
                             use_causal_mask=False, return_attention_scores=False,
-                            training=None, cache=None, cache_update_index=None):
+                            training=None, cache=None, cache_update_index=None,
+                            query_mask=None, value_mask=None, key_mask=None):
         out = (keras.KerasTensor(self.compute_output_shape(query.shape, value.shape),
                                  dtype=self.compute_dtype),)
-        if return_attention_scores:
-            S = cache["key"].shape[1] if cache is not None else value.shape[1]
-            out += (keras.KerasTensor((query.shape[0], self.num_heads, query.shape[1], S),
-                                      dtype="float32"),)
+        if _call_flag("return_attention_scores", return_attention_scores):
+            key_shape = (None, cache["key"].shape[1], None) if cache is not None else (
+                value.shape if key is None else key.shape)
+            shape = self._layout.scores_shape(tuple(query.shape), tuple(key_shape),
+                                              self.num_heads)
+            out += (keras.KerasTensor(shape, dtype="float32"),)
         if cache is not None:
             out += ({n: keras.KerasTensor(t.shape, dtype=t.dtype) for n, t in cache.items()},)
         return out[0] if len(out) == 1 else out
@@ -693,10 +1310,18 @@ class DCMHA(keras.layers.Layer):
             **{n: getattr(c, n) for n in _BOOL_ARGS},
             "rope_max_wavelength": c.rope_max_wavelength, "sliding_window": c.sliding_window,
             "query_chunk_size": c.query_chunk_size, "dropout": self.dropout,
-            "output_shape": self._output_dim, "implementation": self.implementation,
+            "output_shape": (self._output_dims[0] if self._output_dims and
+                             len(self._output_dims) == 1 else self._output_dims),
+            "implementation": self.implementation,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
             "bias_initializer": keras.initializers.serialize(self.bias_initializer),
-            "seed": self.seed,
+            "seed": self.seed, "attention_axes": self.attention_axes,
+            "use_gate": self.use_gate, "flash_attention": self.flash_attention,
+            "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
+            "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
+            "activity_regularizer": keras.regularizers.serialize(self._activity_regularizer),
+            "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
+            "bias_constraint": keras.constraints.serialize(self.bias_constraint),
         }
 
     @property

@@ -19,13 +19,14 @@ PyTorch checkpoint (``tok_embeddings``, ``layers_<i>``, ``attention_norm``,
 from __future__ import annotations
 
 import inspect
+import math
 
 import numpy as np
 
 import keras
 from keras import ops
 
-from dcmha.layers import DCMHA
+from dcmha.layers import DCMHA, readable_value
 
 __all__ = [
     "RMSNorm", "SwiGLU", "DCFormerBlock", "DCFormerLM", "PRESETS",
@@ -42,7 +43,7 @@ RMSNorm = keras.layers.RMSNormalization
 #: goes to every attention layer unchanged.
 _MODEL_OWNED = ("num_heads", "key_dim", "value_dim", "num_key_value_heads", "num_groups",
                 "qk_norm", "rope_max_wavelength", "sliding_window", "output_shape",
-                "cross_attention", "name", "dtype")
+                "cross_attention", "attention_axes", "name", "dtype")
 
 
 def _check_positive_int(name, value, allow_none=False):
@@ -74,6 +75,48 @@ def _fresh_initializer(initializer, offset=0):
     if inner.get("seed") is not None:
         inner["seed"] = int(inner["seed"]) + offset
     return keras.initializers.get(config)
+
+
+def _check_token_range(ids, vocab_size):
+    """ValueError when a token id (NumPy array) is outside [0, vocab_size)."""
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"`token_ids` must be in [0, vocab_size) = [0, {vocab_size}). "
+                         f"Received: token_ids with min={ids.min()}, max={ids.max()}")
+
+
+def _register_torch_onnx_rms_norm():
+    """Teach torch's TorchScript ONNX exporter ``aten::rms_norm``.
+
+    Keras's RMSNormalization calls ``torch.nn.functional.rms_norm`` on torch,
+    and Keras's ONNX export of a model with dynamic sizes goes through the
+    TorchScript exporter (opsets <= 20), which has no translation for it. This
+    one is x / sqrt(mean(x^2 over the normalized axes) + eps) * weight from
+    ONNX primitives; registered at opset 1, it serves every opset >= 9.
+    Registering again replaces it (idempotent).
+    """
+    import torch
+    from torch.onnx import symbolic_helper
+
+    @symbolic_helper.parse_args("v", "v", "v", "f")
+    def rms_norm(g, x, normalized_shape, weight, eps):
+        node = normalized_shape.node()
+        if node.kind() == "prim::ListConstruct":   # sizes read from the traced input
+            rank = node.inputsSize()
+        else:                                      # a constant list
+            rank = len(symbolic_helper._get_const(normalized_shape, "is", "normalized_shape"))
+        axes = list(range(-rank, 0))
+        square = g.op("Mul", x, x)
+        if g.opset >= 18:   # ReduceMean takes its axes as an input from opset 18 on
+            mean = g.op("ReduceMean", square,
+                        g.op("Constant", value_t=torch.tensor(axes, dtype=torch.int64)),
+                        keepdims_i=1)
+        else:
+            mean = g.op("ReduceMean", square, axes_i=axes, keepdims_i=1)
+        eps = g.op("Constant", value_t=torch.tensor(eps, dtype=torch.float32))
+        y = g.op("Div", x, g.op("Sqrt", g.op("Add", mean, eps)))
+        return y if weight.node().mustBeNone() else g.op("Mul", y, weight)
+
+    torch.onnx.register_custom_op_symbolic("aten::rms_norm", rms_norm, 1)
 
 
 def _serialize(value):
@@ -291,11 +334,15 @@ class DCFormerLM(keras.Model):
             plus the Keras `name` / `dtype` / `trainable`.
 
     Call arguments:
-        token_ids: int (B, T).
+        token_ids: int (B, T), each in [0, vocab_size): outside it a ValueError
+            in eager calls; under tracing (``jax.jit``, a ``tf.function``,
+            ``torch.compile``, an export), where the values are unknown, the
+            logits at the positions of such ids are NaN.
         training: Python bool.
         cache: list of per-layer decoding caches (`init_cache`), or None.
         cache_update_index: position of token_ids[:, 0] (Python int or int32
-            scalar tensor) when `cache` is given.
+            scalar tensor) when `cache` is given; out of range it is a
+            ValueError when known, else see `DCMHA` (clamped write, NaN output).
 
     Returns:
         logits (B, T, V) in the compute dtype; with a cache (logits, new cache).
@@ -491,7 +538,19 @@ class DCFormerLM(keras.Model):
         return ops.matmul(x, ops.transpose(emb))
 
     def call(self, token_ids, training=None, cache=None, cache_update_index=None):
-        x = self.tok_embeddings(token_ids)
+        values = readable_value(token_ids)
+        if values is not None:
+            _check_token_range(values, self.vocab_size)
+            x = self.tok_embeddings(token_ids)
+        else:
+            # Traced (jit, tf.function, export): the ids cannot be checked. An id
+            # outside [0, V) is looked up as 0 and its position's embedding made
+            # NaN, so that its logits are NaN on every backend (instead of NaN on
+            # jax, a wrapped row for negative ids, an indexing error on torch).
+            ids = ops.cast(token_ids, "int32")
+            bad = ops.logical_or(ops.less(ids, 0), ops.greater_equal(ids, self.vocab_size))
+            x = self.tok_embeddings(ops.where(bad, 0, ids))
+            x = ops.where(bad[..., None], ops.cast(float("nan"), x.dtype), x)
         if cache is None:
             for block in self.blocks:
                 x = block(x, training=training)
@@ -542,6 +601,27 @@ class DCFormerLM(keras.Model):
             head.build((None, None, self.hidden_dim))
             head.kernel.assign(ops.transpose(self.tok_embeddings.embeddings))
         return keras.Model(token_ids, head(x), name=name or f"{self.name}_functional")
+
+    def export(self, filepath, format="tf_saved_model", verbose=None, input_signature=None,
+               **kwargs):
+        """Keras's `Model.export`, for token ids of any batch size and length by default.
+
+        Without `input_signature` the artifact takes one int32 (B, T) input
+        "token_ids" with B and T dynamic (Keras alone would take T from the
+        first call and a float dtype from the policy). ONNX on torch first
+        teaches the TorchScript exporter `aten::rms_norm` (Keras's RMSNorm on
+        torch; see `_register_torch_onnx_rms_norm`). Exports the forward pass
+        without a cache: token_ids -> logits (B, T, V).
+        """
+        if not self.built:
+            self.build((None, None))
+        if input_signature is None:
+            input_signature = [keras.InputSpec(shape=(None, None), dtype="int32",
+                                               name="token_ids")]
+        if format == "onnx" and keras.backend.backend() == "torch":
+            _register_torch_onnx_rms_norm()
+        return super().export(filepath, format=format, verbose=verbose,
+                              input_signature=input_signature, **kwargs)
 
     # ---- decoding ------------------------------------------------------
     def init_cache(self, batch_size, max_length, dtype=None):
@@ -624,8 +704,12 @@ class DCFormerLM(keras.Model):
                 or max_new_tokens < 0):
             raise ValueError("`max_new_tokens` must be a non-negative integer. Received: "
                              f"max_new_tokens={max_new_tokens!r}")
-        if temperature is None or temperature < 0:
-            raise ValueError(f"`temperature` must be >= 0. Received: temperature={temperature!r}")
+        if (isinstance(temperature, bool)
+                or not isinstance(temperature, (int, float, np.integer, np.floating))
+                or not math.isfinite(temperature) or temperature < 0):
+            raise ValueError("`temperature` must be a finite number >= 0. "
+                             f"Received: temperature={temperature!r}")
+        _check_token_range(ids, self.vocab_size)
         ids = ids.astype("int32")
         B, T = ids.shape
         if max_new_tokens == 0:

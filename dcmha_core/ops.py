@@ -65,6 +65,21 @@ def rms_normalize(x, eps, scale=None):
     return y if scale is None else y * scale
 
 
+def arange_int32(start, stop):
+    """int32 [start, stop), also when ``stop - start`` is an exporter's symbolic size.
+
+    Under Keras's ONNX export on jax (jax2onnx), ``arange`` of a symbolic length
+    gives an array whose size broadcasts with nothing (and a one-argument
+    ``arange`` fails outright); a cumulative sum of ones has the same values
+    and a proper symbolic size. Elsewhere this is ``ops.arange``.
+    """
+    length = stop - start
+    if (keras.backend.backend() == "jax" and not isinstance(length, (int, np.integer))
+            and not hasattr(length, "dtype")):
+        return ops.cumsum(ops.ones((length,), dtype="int32")) - 1 + start
+    return ops.arange(start, stop, dtype="int32")
+
+
 def rope(x, positions, max_wavelength):
     """Rotary embedding, rotate-half layout (pairs (i, i + d/2)).
 
@@ -80,7 +95,7 @@ def rope(x, positions, max_wavelength):
     d = x.shape[-1]
     half = d // 2
     inv_freq = ops.power(float(max_wavelength),
-                         -ops.arange(half, dtype="float32") * (2.0 / d))
+                         -ops.arange(0, half, dtype="float32") * (2.0 / d))
     angle = ops.cast(positions, "float32")[:, None] * inv_freq[None, :]   # (L, d/2)
     cos = ops.cos(angle)[None, :, None, :]
     sin = ops.sin(angle)[None, :, None, :]
@@ -262,8 +277,8 @@ def block_mask(attention_mask, t0, t1, s0, s1, *, use_causal_mask, sliding_windo
     """
     mask = None
     if use_causal_mask or sliding_window is not None:
-        t = ops.arange(t0, t1, dtype="int32")[:, None] + ops.cast(query_offset, "int32")
-        s = ops.arange(s0, s1, dtype="int32")[None, :]
+        t = arange_int32(t0, t1)[:, None] + ops.cast(query_offset, "int32")
+        s = arange_int32(s0, s1)[None, :]
         if use_causal_mask:
             mask = ops.less_equal(s, t)
         if sliding_window is not None:
@@ -349,7 +364,8 @@ def _attend_block(qh, kt, vt, pre, post, mask, *, num_groups, dropout_rate, seed
     if m5 is not None:
         x = ops.where(m5, x, _MASKED)
     # A single visible key (e.g. the first causal chunk of size 1): softmax is 1.
-    p = ops.ones_like(x) if x.shape[-1] == 1 else ops.softmax(x, axis=-1)
+    # (_shape: a traced size is unknown, so an exporter's trace at S=1 keeps the softmax.)
+    p = ops.ones_like(x) if _shape(x)[-1] == 1 else ops.softmax(x, axis=-1)
     if want_intermediates:
         extras["probs"] = to5(p if m5 is None else ops.where(m5, p, 0.0))
     if post:

@@ -122,7 +122,11 @@ def _onnx_type(dtype: str, ft: int) -> int:
 
 #: DCMHA get_config() keys with no effect on an inference graph.
 _IGNORED_OPTIONS = {"name", "trainable", "dtype", "dropout", "implementation", "kernel_initializer",
-                    "bias_initializer", "seed", "output_shape", "query_chunk_size"}
+                    "bias_initializer", "seed", "output_shape", "query_chunk_size",
+                    "flash_attention", "kernel_regularizer", "bias_regularizer",
+                    "activity_regularizer", "kernel_constraint", "bias_constraint"}
+#: DCMHA options the graph can only take at these (MultiHeadAttention's default) values.
+_DEFAULT_ONLY = {"attention_axes": None, "use_gate": False}
 
 
 def dcmha_config(layer) -> ref.Config:
@@ -130,7 +134,8 @@ def dcmha_config(layer) -> ref.Config:
     cfg = getattr(layer, "config", None)
     if isinstance(cfg, ref.Config):
         return cfg
-    conf = layer.get_config()
+    conf = {k: v for k, v in layer.get_config().items()
+            if k not in _DEFAULT_ONLY or v != _DEFAULT_ONLY[k]}
     fields = {f.name for f in dataclasses.fields(ref.Config)}
     unknown = sorted(set(conf) - fields - _IGNORED_OPTIONS)
     if unknown:

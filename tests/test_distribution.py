@@ -65,11 +65,11 @@ def test_layout_map_shards_heads_by_group(groups, kv, local):
     mesh = _fake_mesh((2, 4), ("data", "model"))
     lm = ddist.layout_map(mesh, _lm(groups, kv))
     p = "dc_former_lm/layers_0/attention/"
-    assert _axes(lm, p + "query_kernel") == (None, "model", None)
-    assert _axes(lm, p + "output_kernel") == ("model", None, None)
+    assert _axes(lm, p + "query/kernel") == (None, "model", None)
+    assert _axes(lm, p + "attention_output/kernel") == ("model", None, None)
     kv_axes = (None, "model", None) if kv % 4 == 0 else (None, None, None)
-    assert _axes(lm, p + "key_kernel") == kv_axes
-    assert _axes(lm, p + "value_kernel") == kv_axes
+    assert _axes(lm, p + "key/kernel") == kv_axes
+    assert _axes(lm, p + "value/kernel") == kv_axes
     g = "model" if local else None
     assert _axes(lm, p + "dynamic_projection/dw1") == (None, g, None, None)
     assert _axes(lm, p + "dynamic_projection/qkw") == (g, None, None, None, None)
@@ -104,8 +104,8 @@ def test_layout_map_for_a_layer_and_a_functional_model():
     assert _axes(lm, "att/query_dynamic_projection/dw1") == (None, "model", None, None)
     assert _axes(lm, "att/key_dynamic_projection/dd") == (None, "model", None)
     assert _axes(lm, "att/static_post") == ("model", None, None)
-    assert _axes(lm, "att/query_bias") == ("model", None)
-    assert _axes(lm, "att/output_bias") is None
+    assert _axes(lm, "att/query/bias") == ("model", None)
+    assert _axes(lm, "att/attention_output/bias") is None
 
     # Two layers of different sizes in one model: matched by path.
     x = keras.Input((None, 16))
@@ -115,7 +115,7 @@ def test_layout_map_for_a_layer_and_a_functional_model():
     lm = ddist.layout_map(mesh, model)
     assert _axes(lm, "a/dynamic_projection/dw1") == (None, "model", None, None)
     assert _axes(lm, "b/dynamic_projection/dw1") == (None, None, None, None)
-    assert _axes(lm, "b/query_kernel") == (None, "model", None)
+    assert _axes(lm, "b/query/kernel") == (None, "model", None)
 
     dist = ddist.model_parallel(mesh, layer)
     assert isinstance(dist, keras.distribution.ModelParallel)
@@ -255,7 +255,7 @@ def test_eight_devices_shardings(eight_devices):
             want = [None] * len(spec) if want is None else list(want)
             # jax may drop trailing None axes of a PartitionSpec
             assert spec + [None] * (len(want) - len(spec)) == want, (label, path, spec)
-        assert specs["layers_0/attention/query_kernel"] == [None, "model", None]
+        assert specs["layers_0/attention/query/kernel"] == [None, "model", None]
     assert eight_devices["model_parallel_local"]["specs"][
         "layers_0/attention/dynamic_projection/dw1"] == [None, "model", None, None]
     assert all(a is None for spec in eight_devices["data_parallel"]["specs"].values()

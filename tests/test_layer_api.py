@@ -54,10 +54,28 @@ def np_(x):
     (dict(cross_attention=1), "`cross_attention` must be a boolean. Received: cross_attention=1"),
     (dict(dropout=1.0), "`dropout` must be a float in [0, 1). Received: dropout=1.0"),
     (dict(dropout=-0.1), "`dropout` must be a float in [0, 1). Received: dropout=-0.1"),
-    (dict(output_shape=(4, 2)), "`output_shape` must be None, a positive integer or a 1-tuple "
-                                "of one. Received: output_shape=(4, 2)"),
-    (dict(output_shape=0), "`output_shape` must be None, a positive integer or a 1-tuple of "
-                           "one. Received: output_shape=0"),
+    (dict(output_shape=(4, 0)), "`output_shape` must be None, a positive integer or a tuple "
+                                "of positive integers. Received: output_shape=(4, 0)"),
+    (dict(output_shape=0), "`output_shape` must be None, a positive integer or a tuple of "
+                           "positive integers. Received: output_shape=0"),
+    (dict(output_shape=8.0), "`output_shape` must be None, a positive integer or a tuple of "
+                             "positive integers. Received: output_shape=8.0"),
+    (dict(attention_axes="1"), "`attention_axes` must be None, an integer or a tuple of "
+                               "distinct integers. Received: attention_axes='1'"),
+    (dict(attention_axes=(1, 1)), "`attention_axes` must be None, an integer or a tuple of "
+                                  "distinct integers. Received: attention_axes=(1, 1)"),
+    (dict(use_gate=1), "`use_gate` must be a boolean. Received: use_gate=1"),
+    (dict(flash_attention="yes"),
+     "`flash_attention` must be None or a boolean. Received: flash_attention='yes'"),
+    (dict(flash_attention=True, implementation="ops"),
+     "`flash_attention=True` asks for a fused attention core, which `implementation='ops'` "
+     "rules out. Received: flash_attention=True, implementation='ops'"),
+    (dict(flash_attention=True, dropout=0.1),
+     "`flash_attention=True` cannot be combined with attention dropout: no fused core applies "
+     "it. Received: dropout=0.1"),
+    (dict(flash_attention=False, implementation="torch"),
+     "`flash_attention=False` asks for the plain 'ops' core, which `implementation='torch'` "
+     "contradicts. Received: flash_attention=False, implementation='torch'"),
     (dict(implementation="cuda"), "`implementation` must be one of "
                                   f"{IMPLEMENTATION_NAMES}. Received: implementation='cuda'"),
     (dict(seed="7"), "`seed` must be None or an integer. Received: seed='7'"),
@@ -74,6 +92,13 @@ def test_init_accepts_implementations_and_output_shape_forms():
         assert DCMHA(4, 8, implementation=impl).implementation == impl
     assert DCMHA(4, 8, output_shape=(5,)).get_config()["output_shape"] == 5
     assert DCMHA(4, 8, output_shape=5).compute_output_shape((2, 3, 16), (2, 3, 16)) == (2, 3, 5)
+    assert DCMHA(4, 8, output_shape=[4, 2]).get_config()["output_shape"] == (4, 2)
+    assert DCMHA(4, 8, output_shape=(4, 2)).compute_output_shape(
+        (2, 3, 16), (2, 3, 16)) == (2, 3, 4, 2)
+    # flash_attention maps onto implementation: None keeps it, True a fused core, False "ops".
+    assert DCMHA(4, 8, flash_attention=None, implementation="ops").implementation == "ops"
+    assert DCMHA(4, 8, flash_attention=True).implementation == "auto"
+    assert DCMHA(4, 8, flash_attention=False).implementation == "ops"
 
 
 def test_dynamic_projection_rejects_bad_slots():
@@ -224,18 +249,21 @@ def test_variable_names():
                   name="att")
     layer.build((2, 3, 16), (2, 3, 16))
     paths = sorted(v.path for v in layer.weights)
+    # The projections are MultiHeadAttention's EinsumDense sublayers, with its names.
     assert paths == sorted([
-        "att/query_kernel", "att/key_kernel", "att/value_kernel", "att/output_kernel",
-        "att/query_bias", "att/key_bias", "att/value_bias", "att/output_bias",
+        "att/query/kernel", "att/key/kernel", "att/value/kernel", "att/attention_output/kernel",
+        "att/query/bias", "att/key/bias", "att/value/bias", "att/attention_output/bias",
         "att/static_pre", "att/static_post", "att/query_norm_scale", "att/key_norm_scale",
         "att/dynamic_projection/dw1", "att/dynamic_projection/qkw",
         "att/dynamic_projection/dd"])
     assert isinstance(layer.dynamic_projection_layer, DynamicWeightProjection)
+    for dense in (layer.query_dense, layer.key_dense, layer.value_dense, layer.output_dense):
+        assert isinstance(dense, keras.layers.EinsumDense)
 
     cross = DCMHA(num_heads=4, key_dim=8, cross_attention=True, dynamic_gating=False, name="x")
     cross.build((2, 3, 16), (2, 5, 12))
     assert sorted(v.path for v in cross.weights) == sorted([
-        "x/query_kernel", "x/key_kernel", "x/value_kernel", "x/output_kernel",
+        "x/query/kernel", "x/key/kernel", "x/value/kernel", "x/attention_output/kernel",
         "x/query_dynamic_projection/dw1", "x/query_dynamic_projection/qkw",
         "x/key_dynamic_projection/dw1", "x/key_dynamic_projection/qkw"])
     assert sorted(cross.spec_weights()) == sorted(reference.param_shapes(cross.spec_config, 16, 12))

@@ -306,7 +306,7 @@ def test_sampling_is_seeded(gen_model):
     np.testing.assert_array_equal(a, b)
     assert ((a >= 0) & (a < TINY["vocab_size"])).all()
     np.testing.assert_array_equal(gen_model.generate(prompt, 0), prompt)
-    with pytest.raises(ValueError, match=r"`temperature` must be >= 0. Received: temperature=-1"):
+    with pytest.raises(ValueError, match=r"`temperature` must be a finite number >= 0. Received: temperature=-1"):
         gen_model.generate(prompt, 2, temperature=-1)
     with pytest.raises(ValueError, match=r"`token_ids` must be an integer array of shape \(B, T\)"):
         gen_model.generate(np.zeros((2,), "int32"), 2)

@@ -95,8 +95,8 @@ INIT_ERRORS = [
      "`rope_max_wavelength` must be finite. Received: rope_max_wavelength=nan"),
     (dict(key_dim=5, rope_max_wavelength=1e4), "RoPE needs an even `key_dim`. Received: key_dim=5"),
     (dict(qk_norm=None), "`qk_norm` must be a boolean. Received: qk_norm=None"),
-    (dict(output_shape=-3), "`output_shape` must be None, a positive integer or a 1-tuple of "
-                            "one. Received: output_shape=-3"),
+    (dict(output_shape=-3), "`output_shape` must be None, a positive integer or a tuple of "
+                            "positive integers. Received: output_shape=-3"),
     (dict(implementation="flash"), "`implementation` must be one of "
                                    f"{IMPLEMENTATION_NAMES}. Received: implementation='flash'"),
     (dict(seed=1.5), "`seed` must be None or an integer. Received: seed=1.5"),
@@ -172,8 +172,9 @@ def test_call_batch_sizes(layer):
                 "Received: attention_mask.shape=(3, 3, 3)"),
     ((2, 1, 1, 3, 3), "`attention_mask` must broadcast to (B, T, S) = (2, 3, 3). "
                       "Received: attention_mask.shape=(2, 1, 1, 3, 3)"),
-    ((2, 4, 3, 3), "A rank-4 `attention_mask` must have a head axis of size 1 (the mask is "
-                   "shared by all heads). Received: attention_mask.shape=(2, 4, 3, 3)"),
+    ((2, 3, 3, 3), "A rank-4 `attention_mask` must have a head axis of size 1 (shared by "
+                   "all heads) or N=4 (one mask per head). "
+                   "Received: attention_mask.shape=(2, 3, 3, 3)"),
 ])
 def test_call_mask_shape(layer, shape, message):
     with raises(ValueError, message):
@@ -181,10 +182,10 @@ def test_call_mask_shape(layer, shape, message):
 
 
 def test_call_mask_dtype(layer):
-    # A float mask is ambiguous (additive masks use 0 for "attend"): refused.
-    with raises(TypeError, "`attention_mask` must be boolean (True = attend) or integer (1 = "
-                           "attend). Received: attention_mask.dtype=float32"):
-        layer(f32(2, 3, 16), f32(2, 3, 16), attention_mask=np.ones((2, 3, 3), "float32"))
+    # Float masks attend where non-zero, as in MultiHeadAttention; other dtypes are refused.
+    with raises(TypeError, "`attention_mask` must be boolean, integer or float (non-zero = "
+                           "attend). Received: attention_mask.dtype=complex64"):
+        layer(f32(2, 3, 16), f32(2, 3, 16), attention_mask=np.ones((2, 3, 3), "complex64"))
 
 
 def test_call_accepts_integer_and_broadcast_masks(layer):

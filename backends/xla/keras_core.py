@@ -16,8 +16,8 @@ Rules:
   no intermediates, no per-head masks.
 * ``unsupported(call)`` (a reason, or None): head counts or head sizes (the last
   two axes of q, k, v) unknown at trace time.
-* ``preferred(call)``: True for every supported call made while TensorFlow
-  traces a graph (inside a ``tf.function``, e.g. Keras ``fit`` / ``predict``,
+* ``preferred(call)``: True for every supported call with known lengths made
+  while TensorFlow traces a graph (inside a ``tf.function``, e.g. Keras ``fit`` / ``predict``,
   or inside an XLA-compiled function, where the core is traced inline into the
   caller's computation); False for eager calls: an eager call compiles one XLA
   function per new shape and configuration, which costs more than a one-off
@@ -53,7 +53,9 @@ def preferred(call) -> bool:
     """
     import tensorflow as tf
 
-    return not tf.executing_eagerly()
+    # Unknown lengths (an exporter's trace, e.g. Keras's ONNX export through tf2onnx,
+    # which cannot convert the compiled function's PartitionedCall) keep "ops".
+    return not tf.executing_eagerly() and None not in (call.T, call.S)
 
 
 def attention(call):
