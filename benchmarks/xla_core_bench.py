@@ -13,8 +13,7 @@ Three measurements (issue 4's targets in brackets):
   softmax(q k^T / sqrt(d)) v with the causal mask, both XLA-compiled, at B=2,
   T=S=1024, N=8, d=64, causal, float32. Forward, and a training step (forward +
   gradients w.r.t. every input, all in one jitted function).
-* layer: one DCMHA layer (plain TensorFlow projections and dynamic weights around
-  the core, ``dcmha.conformance.adapters.xla_adapter.layer_forward``) against
+* layer: one ``dcmha.DCMHA(implementation="xla")`` layer against
   ``keras.layers.MultiHeadAttention`` on the TensorFlow backend, D=512, N=8,
   key_dim=64, same shapes, causal, float32, each jitted [train step <= 1.5x MHA,
   forward <= 1.3x].
@@ -142,33 +141,30 @@ def bench_core(args, rows):
 # layer vs keras.layers.MultiHeadAttention
 # ---------------------------------------------------------------------------
 
-def _dcmha_params(tf, cfg, D, seed=0):
-    from dcmha.spec import reference
+def _dcmha_layer(N, d, D, chunk):
+    """A built DCMHA layer (the spec's defaults) forced onto the XLA core."""
+    import dcmha
 
-    raw = reference.init_params(cfg, D, D, D, rng=np.random.default_rng(seed))
-    return {n: tf.Variable(np.asarray(p, np.float32), name=n) for n, p in raw.items()}
+    layer = dcmha.DCMHA(num_heads=N, key_dim=d, implementation="xla", query_chunk_size=chunk)
+    layer.build((None, None, D), (None, None, D))
+    return layer
 
 
 def bench_layer(args, rows):
     tf = _tf()
     import keras
 
-    from dcmha.conformance.adapters.xla_adapter import layer_forward
-    from dcmha.spec import reference
-
     if keras.backend.backend() != "tensorflow":
         raise RuntimeError("set KERAS_BACKEND=tensorflow for the layer benchmark")
     B, T, D, N, d = args.batch, args.length, args.width, args.heads, args.key_dim
-    cfg = reference.Config(num_heads=N, key_dim=d)
-    params = _dcmha_params(tf, cfg, D)
+    layer = _dcmha_layer(N, d, D, args.chunk)
     mha = keras.layers.MultiHeadAttention(num_heads=N, key_dim=d)
     x = tf.constant(np.random.default_rng(1).normal(size=(B, T, D)), tf.float32)
     mha(x, x, use_causal_mask=True)   # build
     dy = tf.constant(np.random.default_rng(2).normal(size=(B, T, D)), tf.float32)
 
     def dc(x):
-        return layer_forward(params, cfg, x, use_causal_mask=True,
-                             query_chunk_size=args.chunk)
+        return layer(x, x, use_causal_mask=True)
 
     def km(x):
         return mha(x, x, use_causal_mask=True)
@@ -185,7 +181,7 @@ def bench_layer(args, rows):
             return tape.gradient(loss, [x] + list(variables))
         return step
 
-    dc_train = train_step(dc, list(params.values()))
+    dc_train = train_step(dc, [v.value for v in layer.trainable_variables])
     km_train = train_step(km, mha.trainable_variables)
     print(f"layer: B={B} T={T} D={D} N={N} key_dim={d} causal float32 "
           f"(DCMHA defaults: G=1, R=2, pre+post, query-/key-wise, projection+gating) "
@@ -203,15 +199,9 @@ def bench_layer(args, rows):
 def rss_child(T, D, N, d, chunk):
     """Runs in the subprocess: one causal forward, prints a JSON line."""
     tf = _tf()
-    from dcmha.conformance.adapters.xla_adapter import layer_forward
-    from dcmha.spec import reference
-
-    cfg = reference.Config(num_heads=N, key_dim=d)
-    raw = reference.init_params(cfg, D, D, D, rng=np.random.default_rng(0))
-    params = {n: tf.constant(np.asarray(p, np.float32)) for n, p in raw.items()}
+    layer = _dcmha_layer(N, d, D, chunk)
     x = tf.constant(np.random.default_rng(1).normal(size=(1, T, D)).astype(np.float32))
-    fwd = tf.function(lambda x: layer_forward(params, cfg, x, use_causal_mask=True,
-                                              query_chunk_size=chunk), jit_compile=True)
+    fwd = tf.function(lambda x: layer(x, x, use_causal_mask=True), jit_compile=True)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     y = fwd(x).numpy()

@@ -57,6 +57,13 @@ class Case:
         return f"Case({self.name!r}, kind={self.kind!r}, dtype={self.dtype!r})"
 
 
+def _is_plain_name(name) -> bool:
+    """Whether ``name`` names a file directly inside a directory (no separator, no "..")."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and "\\" not in name and "\0" not in name and Path(name).name == name
+            and not Path(name).is_absolute())
+
+
 def sha256_file(path: PathLike) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
@@ -77,6 +84,12 @@ def read_manifest(fixtures_dir: Optional[PathLike] = None) -> dict:
         raise ValueError(f"{path} is not a valid manifest (a JSON object with 'spec_version' "
                          "and 'files'). Regenerate the fixtures with "
                          "`python -m dcmha.conformance.generate`.")
+    for name, digest in manifest["files"].items():
+        if not _is_plain_name(name) or not isinstance(digest, str):
+            raise ValueError(
+                f"{path} is not a valid manifest: the entry {name!r} is not a file name inside "
+                "the fixtures directory (entries are plain names such as 'mha.json', each "
+                "mapped to a sha256 string).")
     if manifest.get("spec_version") != reference.SPEC_VERSION:
         raise ValueError(
             f"The fixtures in {root} were generated for spec version "
@@ -88,7 +101,7 @@ def read_manifest(fixtures_dir: Optional[PathLike] = None) -> dict:
 def verify_file(path: Path, manifest: Mapping) -> bytes:
     """The bytes of ``path`` after checking its sha256 against the manifest (ValueError if not)."""
     files = manifest["files"]
-    if path.name not in files:
+    if path.name not in files or not _is_plain_name(path.name):
         raise ValueError(f"Fixture file {path} is not listed in {MANIFEST_NAME}.")
     if not path.is_file():
         raise ValueError(f"Fixture file {path} is listed in {MANIFEST_NAME} but does not exist.")
@@ -117,6 +130,62 @@ def _match(name: str, pattern: Optional[Union[str, Sequence[str]]]) -> bool:
 
 _CASE_KEYS = ("name", "description", "kind", "config", "dims", "dtype", "call", "requires",
               "outputs", "tolerance")
+KINDS = ("forward", "gradients", "decode")
+DTYPES = ("float32", "float16", "bfloat16")
+_DIMS = ("batch", "query_length", "key_length", "query_input_dim", "key_input_dim")
+
+
+def _positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+
+
+def _str_list(x) -> bool:
+    return isinstance(x, list) and all(isinstance(v, str) for v in x)
+
+
+def _field_problem(name: str, meta: Mapping) -> Optional[Tuple[str, str, object]]:
+    """(field, what it must be, received value) of the first malformed field, or None."""
+    call, dims, outputs = meta["call"], meta["dims"], meta["outputs"]
+    checks = [
+        ("name", f"the case's file name {name!r}", meta["name"], meta["name"] == name),
+        ("description", "a string", meta["description"], isinstance(meta["description"], str)),
+        ("kind", f"one of {list(KINDS)}", meta["kind"], meta["kind"] in KINDS),
+        ("dtype", f"one of {list(DTYPES)}", meta["dtype"], meta["dtype"] in DTYPES),
+        ("config", "an object of dcmha.spec.reference.Config arguments", meta["config"],
+         isinstance(meta["config"], dict)),
+        ("dims", f"an object with positive integers {list(_DIMS)} (and optional 'output_dim')",
+         dims, isinstance(dims, dict) and all(_positive_int(dims.get(k)) for k in _DIMS)
+         and _positive_int(dims.get("output_dim", 1))),
+        ("call", "an object with booleans 'use_causal_mask' and 'self_attention'", call,
+         isinstance(call, dict) and all(isinstance(call.get(k), bool)
+                                        for k in ("use_causal_mask", "self_attention"))),
+        ("requires", "a list of capability names", meta["requires"],
+         _str_list(meta["requires"])),
+        ("outputs", "a non-empty list of distinct output names", outputs,
+         _str_list(outputs) and outputs and len(set(outputs)) == len(outputs)),
+    ]
+    for field, must, got, ok in checks:
+        if not ok:
+            return field, must, got
+    if meta["kind"] == "decode":
+        steps = call.get("decode_steps")
+        if not (isinstance(steps, list) and steps and all(_positive_int(n) for n in steps)):
+            return "call.decode_steps", "a non-empty list of positive integers", steps
+        if "cache_length" in call and not _positive_int(call["cache_length"]):
+            return "call.cache_length", "a positive integer", call["cache_length"]
+    tolerance = meta["tolerance"]
+    if not isinstance(tolerance, dict):
+        return "tolerance", "an object {output: {'atol', 'rtol'}}", tolerance
+    for out in outputs:
+        t = tolerance.get(out)
+        if not (isinstance(t, dict) and _number(t.get("atol")) and _number(t.get("rtol"))):
+            return (f"tolerance[{out!r}]", "an object with non-negative numbers 'atol' and "
+                    "'rtol'", t)
+    return None
 
 
 def _check_arrays(path: Path, cfg: reference.Config, meta: Mapping, arrays: Mapping) -> None:
@@ -150,6 +219,9 @@ def load_case(name: str, fixtures_dir: Optional[PathLike] = None,
     import io
 
     root = Path(fixtures_dir) if fixtures_dir is not None else FIXTURES_DIR
+    if not _is_plain_name(f"{name}.json"):
+        raise ValueError("A case name must name a file inside the fixtures directory. "
+                         f"Received: name={name!r}")
     manifest = manifest if manifest is not None else read_manifest(root)
     json_path, npz_path = root / f"{name}.json", root / f"{name}.npz"
     raw = verify_file(json_path, manifest)
@@ -162,6 +234,11 @@ def load_case(name: str, fixtures_dir: Optional[PathLike] = None,
     missing = sorted(set(_CASE_KEYS) - set(meta))
     if missing:
         raise ValueError(f"Fixture file {json_path} is not a valid case: missing keys {missing}.")
+    problem = _field_problem(name, meta)
+    if problem is not None:
+        field, must, got = problem
+        raise ValueError(f"Fixture file {json_path} is not a valid case: `{field}` must be "
+                         f"{must}. Received: {field}={got!r}")
     data = verify_file(npz_path, manifest)
     arrays = {}
     try:

@@ -32,6 +32,7 @@ import numpy as np
 
 from dcmha.spec import reference as ref
 from dcmha.spec import tolerance as tol
+from dcmha.conformance.adapters.base import LONG_LENGTH_PRODUCT
 from dcmha.conformance.cases import FIXTURES_DIR, MANIFEST_NAME
 
 #: Multipliers of the reference initialisation of the composition weights, chosen so that each
@@ -66,6 +67,10 @@ class Spec:
     cache_length: Optional[int] = None
     intermediates: bool = False
     score_gain: float = 1.0               # multiplies query/key kernels (large scores)
+    #: Compare the output (and gradients) only, and store only what is compared: the long
+    #: cases, where the (B, N, T, S) arrays would dominate the fixtures and ``"auto"`` takes
+    #: the CPU fast paths only when no attention scores are asked for.
+    compact: bool = False
 
 
 # ---------------------------------------------------------------------------
@@ -182,6 +187,31 @@ def _forward_cases() -> List[Spec]:
     return c
 
 
+#: The long cases: T * S >= LONG_LENGTH_PRODUCT, the size from which ``"auto"`` takes the CPU
+#: fast paths (torch, jax_cpu, tf_cpu); one batch, small widths, float32.
+LONG_DIMS = dict(batch=1, query_length=96, key_length=96)
+LONG_CROSS_DIMS = dict(batch=2, query_length=64, key_length=160, query_input_dim=12,
+                       key_input_dim=8, output_dim=12)
+LONG_ALL_SWITCHES = dict(ALL_SWITCHES, sliding_window=40, query_chunk_size=32)
+
+
+def _long_cases() -> List[Spec]:
+    c = []
+    add = lambda *a, **k: c.append(Spec(*a, compact=True, **k))  # noqa: E731
+    for kind, prefix in (("forward", "long"), ("gradients", "grad_long")):
+        add(f"{prefix}_dcmha_causal", "T = S = 96 (past the CPU paths' threshold): DCMHA "
+            "defaults, causal.", kind=kind, dims=LONG_DIMS, causal=True)
+        add(f"{prefix}_all_switches", "T = S = 96: every switch on, causal sliding window 40, "
+            "query chunks of 32 (key blocks skipped).", kind=kind, config=LONG_ALL_SWITCHES,
+            dims=LONG_DIMS, causal=True)
+    add("long_window_bidirectional", "T = S = 96: sliding window 24 without the causal mask, "
+        "static compose.", config=dict(sliding_window=24, static_compose=True), dims=LONG_DIMS)
+    add("long_cross_attention_masked", "T = 64, S = 160: masked cross-attention with GQA.",
+        config=dict(CROSS, num_key_value_heads=2), dims=LONG_CROSS_DIMS, self_attention=False,
+        mask="padding")
+    return c
+
+
 def _decode_cases() -> List[Spec]:
     c = []
     add = lambda *a, **k: c.append(Spec(*a, kind="decode", causal=True, **k))  # noqa: E731
@@ -241,6 +271,7 @@ def _gradient_cases() -> List[Spec]:
 
 def all_specs(gradients: bool = True) -> List[Spec]:
     specs = _forward_cases() + _decode_cases() + (_gradient_cases() if gradients else [])
+    specs += [x for x in _long_cases() if gradients or x.kind != "gradients"]
     names = [s.name for s in specs]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -366,7 +397,9 @@ def build(spec: Spec) -> Tuple[dict, Dict[str, np.ndarray]]:
         for n, g in grads.items():
             expected[f"grad/{n}"] = g
 
-    if spec.kind == "forward":
+    if spec.kind == "forward" and spec.compact:
+        outputs = ["output"]
+    elif spec.kind == "forward":
         outputs = ["output", "attention_scores"]
         if spec.intermediates:
             outputs += ["scores", "pre_composed", "probs"] + sorted(
@@ -378,9 +411,12 @@ def build(spec: Spec) -> Tuple[dict, Dict[str, np.ndarray]]:
         outputs = ["output"] + [f"grad/{n}" for n in inputs] + [f"grad/{n}" for n in sorted(params)]
     requires = [{"forward": "forward", "decode": "decode", "gradients": "gradients"}[spec.kind],
                 spec.dtype] + (["intermediates"] if spec.intermediates else [])
+    if T * S >= LONG_LENGTH_PRODUCT:
+        requires.append("long_sequences")
 
     stored = _snap(expected)
-    arrays.update({f"expected/{n}": a for n, a in stored.items()})
+    arrays.update({f"expected/{n}": a for n, a in stored.items()
+                   if not spec.compact or n in outputs})
     sigma = float(f"{tol.score_scale(stored['pre_composed'], full_mask):.6g}")
     call = {"use_causal_mask": spec.causal, "self_attention": spec.self_attention,
             "has_attention_mask": mask is not None}

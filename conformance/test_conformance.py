@@ -2,6 +2,7 @@
 
     pytest conformance/                                        # the reference only
     DCMHA_CONFORMANCE_BACKENDS=keras-jax,keras-torch pytest conformance/
+    DCMHA_CONFORMANCE_BACKENDS=impl-torch,impl-jax_cpu pytest conformance/
     DCMHA_CONFORMANCE_BACKENDS=all pytest conformance/
 
 The reference adapter runs in this process, case by case. Every other backend runs once, all
@@ -17,12 +18,13 @@ import pytest
 
 from dcmha.conformance import load_cases
 from dcmha.conformance.runner import (REFERENCE_TARGET, discover_adapters, load_adapter,
-                                      run_backend, run_case)
+                                      resolve_alias, run_backend, run_case)
 
 CASES = load_cases()
-REGISTRY = discover_adapters()
 _SELECTED = os.environ.get("DCMHA_CONFORMANCE_BACKENDS", "reference").strip() or "reference"
 EXPLICIT = _SELECTED != "all"
+# The implementation registry (impl-* adapters) is read only when the selection needs it.
+REGISTRY = discover_adapters(implementations=_SELECTED != "reference")
 BACKENDS = list(REGISTRY) if not EXPLICIT else [b.strip() for b in _SELECTED.split(",") if b.strip()]
 
 _batches = {}
@@ -30,17 +32,17 @@ _adapters = {}
 
 
 def _result(backend, case):
-    if backend not in REGISTRY:
+    entry = resolve_alias(backend, REGISTRY)
+    if entry is None:
         pytest.fail(f"unknown backend {backend!r} in DCMHA_CONFORMANCE_BACKENDS; "
                     f"known backends: {', '.join(REGISTRY)}")
-    target = REGISTRY[backend]
-    if target == REFERENCE_TARGET:
+    if entry.target == REFERENCE_TARGET:
         if backend not in _adapters:
-            _adapters[backend] = load_adapter(target)
+            _adapters[backend] = load_adapter(entry.target, entry.args)
         return run_case(backend, _adapters[backend], case)
     if backend not in _batches:
         _batches[backend] = {r.case: r for r in
-                             run_backend(backend, target, CASES, explicit=EXPLICIT)}
+                             run_backend(backend, entry, CASES, explicit=EXPLICIT)}
     return _batches[backend][case.name]
 
 

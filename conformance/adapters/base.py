@@ -11,6 +11,13 @@ Triton cannot share a process).
 arrays of the expected shapes (any float dtype). The runner compares every name in
 ``case.outputs`` against ``case.expected`` with ``case.tolerance``; a missing name fails the
 case. Cases whose ``requires`` is not a subset of ``capabilities`` are skipped, never run.
+
+Some outputs need a capability of their own (``output_capability``): "attention_scores" the
+capability "attention_scores", the intermediates "intermediates", "grad/<name>" "gradients".
+An adapter without it is not compared on that output: the row of the case says which outputs
+were not covered, and a case none of whose outputs is covered is skipped. ``run(case)`` should
+not compute them (``covered_outputs`` tells which to compute): e.g. an implementation that never
+materialises the probabilities is called without ``return_attention_scores``.
 """
 
 from __future__ import annotations
@@ -19,9 +26,32 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
-#: Every capability a case may require.
+#: Every capability a case may require, or an output may need. "long_sequences": the case has
+#: T * S >= ``LONG_LENGTH_PRODUCT`` (the sizes from which the CPU fast paths are taken);
+#: interpreters leave it out to keep their runs short.
 CAPABILITIES = frozenset({"forward", "gradients", "decode", "float32", "float16", "bfloat16",
-                          "intermediates"})
+                          "intermediates", "attention_scores", "long_sequences"})
+
+#: Cases with T * S at least this require "long_sequences".
+LONG_LENGTH_PRODUCT = 8192
+
+
+def output_capability(name: str) -> Optional[str]:
+    """The capability needed to produce the output ``name`` (None: every adapter produces it)."""
+    if name == "attention_scores":
+        return "attention_scores"
+    if name.startswith("grad/"):
+        return "gradients"
+    if name in ("scores", "pre_composed", "probs") or name.startswith("dynamic/"):
+        return "intermediates"
+    return None
+
+
+def covered_outputs(case, capabilities) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """(outputs of ``case`` an adapter with ``capabilities`` is compared on, those it is not)."""
+    caps = frozenset(capabilities)
+    covered = tuple(n for n in case.outputs if output_capability(n) in caps | {None})
+    return covered, tuple(n for n in case.outputs if n not in covered)
 
 
 class Adapter:
@@ -34,6 +64,9 @@ class Adapter:
 
     name: str = ""
     capabilities: frozenset = frozenset()
+    #: Optional: after ``run``, the names of the attention paths the case ran on (e.g. which
+    #: implementation ``"auto"`` chose); the runner reports them with the case's result.
+    paths: Tuple[str, ...] = ()
 
     def run(self, case) -> Dict[str, np.ndarray]:
         """Compute ``case.outputs`` for one case (see the module docstring)."""
@@ -42,6 +75,10 @@ class Adapter:
     def missing(self, case) -> Tuple[str, ...]:
         """The requirements of ``case`` this adapter lacks (empty: it can run the case)."""
         return tuple(r for r in case.requires if r not in self.capabilities)
+
+    def wanted(self, case) -> Tuple[str, ...]:
+        """The outputs of ``case`` to compute: those this adapter is compared on."""
+        return covered_outputs(case, self.capabilities)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -83,4 +120,5 @@ def dtype_name(case) -> str:
     return case.dtype
 
 
-__all__ = ["Adapter", "CAPABILITIES", "call_inputs", "decode_segments", "cache_length", "dtype_name"]
+__all__ = ["Adapter", "CAPABILITIES", "LONG_LENGTH_PRODUCT", "output_capability",
+           "covered_outputs", "call_inputs", "decode_segments", "cache_length", "dtype_name"]

@@ -1,4 +1,7 @@
-"""Conformance adapters for the Keras ``dcmha.DCMHA`` layer, one per Keras backend.
+"""Conformance adapters for the Keras ``dcmha.DCMHA`` layer: one per Keras backend
+("keras-<backend>", ``implementation="auto"``, what users get), and one per registered
+implementation ("impl-<name>", built by ``implementation_adapter``: the layer with
+``implementation=<name>`` on that implementation's Keras backend).
 
 Keras fixes its backend when it is first imported, so each adapter sets
 KERAS_BACKEND before importing Keras and refuses to run in a process where
@@ -12,13 +15,21 @@ the case (float16 / bfloat16: ``mixed_float16`` / ``mixed_bfloat16``, inputs
 cast to that dtype). Gradients come from each backend's own autodiff
 (``jax.grad``, torch autograd, ``tf.GradientTape``) of
 ``sum(output * d_output)``; the numpy backend has none.
+
+Only the outputs the adapter is compared on are computed (``Adapter.wanted``): the layer is
+asked for the attention scores only when a case compares them and the adapter has the
+capability, so an implementation that never materialises them (and ``"auto"`` on long
+cases) runs the case on its own path. An "impl-<name>" adapter's capabilities follow the
+implementation's ``lacks`` (``capabilities_for``); it runs on the CPU (the runner sets the
+implementation's ``cpu_env`` in the worker's environment before anything is imported).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -52,13 +63,27 @@ def _import_keras(backend: str, adapter: str):
 class _KerasAdapter(Adapter):
     backend = ""
     capabilities = CAPABILITIES
+    #: The layer's ``implementation`` argument.
+    implementation = "auto"
 
-    def __init__(self):
+    def __init__(self, implementation: Optional[str] = None, name: Optional[str] = None,
+                 capabilities=None):
+        if implementation is not None:
+            self.implementation = implementation
+        if name is not None:
+            self.name = name
+        if capabilities is not None:
+            self.capabilities = frozenset(capabilities)
         self.keras = _import_keras(self.backend, self.name)
         self._strict_float32()
 
     def _strict_float32(self):
         """Float32 cases mean IEEE float32 matmuls (no TF32 on GPUs)."""
+
+    def _inference(self):
+        """The context of calls that need no gradient (torch: no autograd recording, which
+        kernels that return non-differentiable attention scores refuse)."""
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------- helpers
     def _layer(self, case):
@@ -66,7 +91,8 @@ class _KerasAdapter(Adapter):
 
         dims = case.dims
         layer = dcmha.DCMHA(**case.config, output_shape=dims["output_dim"],
-                            dtype=_POLICIES[case.dtype], name="dcmha")
+                            dtype=_POLICIES[case.dtype], implementation=self.implementation,
+                            name="dcmha")
         if self.keras.backend.backend() != self.backend:
             raise RuntimeError(f"Keras backend changed to {self.keras.backend.backend()!r}")
         args = call_inputs(case)
@@ -105,30 +131,60 @@ class _KerasAdapter(Adapter):
                           dtype=np.float32)
 
     # ---------------------------------------------------------------- run
+    @contextlib.contextmanager
+    def _recording_paths(self):
+        """Record in ``self.paths`` the implementation every attention call of the block runs
+        (what ``"auto"`` chose), by wrapping ``dcmha.registry.select`` for the block."""
+        from dcmha import registry
+
+        select, taken = registry.select, []
+
+        def recording_select(implementation, call):
+            name, fn = select(implementation, call)
+            if name not in taken:
+                taken.append(name)
+            return name, fn
+
+        registry.select = recording_select
+        try:
+            yield
+        finally:
+            registry.select = select
+            self.paths = taken
+
     def run(self, case) -> Dict[str, np.ndarray]:
         if self.keras.backend.backend() != self.backend:
             raise RuntimeError(f"The {self.name} adapter needs Keras on {self.backend!r}.")
+        with self._recording_paths():
+            return self._run(case)
+
+    def _run(self, case) -> Dict[str, np.ndarray]:
         if case.kind == "decode":
-            return {"output": self._decode(case)}
+            with self._inference():
+                return {"output": self._decode(case)}
         layer = self._layer(case)
         q, value, key, kwargs = self._inputs(case)
         out = {}
-        wanted = set(case.outputs)
-        if wanted & {"scores", "pre_composed", "probs"} or any(
-                n.startswith("dynamic/") for n in wanted):
-            inter = layer.compute_intermediates(q, value, key, **kwargs)
-            for n in ("output", "attention_scores", "scores", "pre_composed", "probs"):
-                out[n] = self._np(inter[n])
-            for side in ("query_dynamic", "key_dynamic"):
-                for slot, ws in inter[side].items():
-                    for w, a in ws.items():
-                        out[f"dynamic/{slot}/{w}"] = self._np(a)
-        else:
-            y, scores = layer(q, value, key, return_attention_scores=True, **kwargs)
-            out["output"], out["attention_scores"] = self._np(y), self._np(scores)
+        wanted = set(self.wanted(case))
+        with self._inference():
+            if wanted & {"scores", "pre_composed", "probs"} or any(
+                    n.startswith("dynamic/") for n in wanted):
+                inter = layer.compute_intermediates(q, value, key, **kwargs)
+                for n in ("output", "attention_scores", "scores", "pre_composed", "probs"):
+                    out[n] = self._np(inter[n])
+                for side in ("query_dynamic", "key_dynamic"):
+                    for slot, ws in inter[side].items():
+                        for w, a in ws.items():
+                            out[f"dynamic/{slot}/{w}"] = self._np(a)
+            elif "attention_scores" in wanted:
+                y, scores = self._call(layer, q, value, key, return_attention_scores=True,
+                                       **kwargs)
+                out["output"], out["attention_scores"] = self._np(y), self._np(scores)
+            else:
+                out["output"] = self._np(self._call(layer, q, value, key, **kwargs))
         if case.kind == "gradients":
             out.update(self._gradients(case, layer))
-        return {n: out[n] for n in case.outputs if n in out}
+        return {n: out[n] for n in wanted if n in out}
 
     def _decode(self, case):
         layer = self._layer(case)
@@ -137,9 +193,14 @@ class _KerasAdapter(Adapter):
         outs = []
         for start, stop in decode_segments(case):
             x = self._tensor(query[:, start:stop], case.dtype)
-            y, cache = layer(x, x, use_causal_mask=True, cache=cache, cache_update_index=start)
+            y, cache = self._call(layer, x, x, None, use_causal_mask=True, cache=cache,
+                                  cache_update_index=start)
             outs.append(self._np(y))
         return np.concatenate(outs, axis=1)
+
+    def _call(self, layer, query, value, key, **kwargs):
+        """``layer(query, value, key, **kwargs)`` (arrays in ``kwargs`` are tensors)."""
+        return layer(query, value, key, **kwargs)
 
     def _input_names(self, case):
         return ["query"] if case.call["self_attention"] else ["query", "key", "value"]
@@ -165,6 +226,24 @@ class KerasJaxAdapter(_KerasAdapter):
 
         jax.config.update("jax_default_matmul_precision", "highest")
 
+    def _call(self, layer, query, value, key, **kwargs):
+        """The call compiled as one function (``jax.jit`` of ``stateless_call``), as a training
+        or serving loop runs it: eager JAX dispatches every primitive on its own, which makes
+        interpreted kernels (Pallas on a CPU) orders of magnitude slower."""
+        import jax
+
+        arrays = {n: a for n, a in kwargs.items() if n in ("attention_mask", "cache")}
+        static = {n: a for n, a in kwargs.items() if n not in arrays}
+
+        @jax.jit
+        def call(trainable, non_trainable, query, value, key, arrays):
+            out, _ = layer.stateless_call(trainable, non_trainable, query, value, key,
+                                          **arrays, **static)
+            return out
+
+        return call([v.value for v in layer.trainable_variables],
+                    [v.value for v in layer.non_trainable_variables], query, value, key, arrays)
+
     def _gradients(self, case, layer):
         import jax
         import jax.numpy as jnp
@@ -183,7 +262,7 @@ class KerasJaxAdapter(_KerasAdapter):
             y, _ = layer.stateless_call(trainable, non_trainable, *args, **kwargs)
             return jnp.sum(y.astype(jnp.float32) * d_out)
 
-        g_vars, g_inputs = jax.grad(loss, argnums=(0, 1))(trainable, inputs)
+        g_vars, g_inputs = jax.jit(jax.grad(loss, argnums=(0, 1)))(trainable, inputs)
         out = {f"grad/{n}": self._np(g_inputs[n]) for n in self._input_names(case)}
         out.update({f"grad/{n}": self._np(g)
                     for n, g in zip(self._variable_names(layer), g_vars)})
@@ -199,6 +278,11 @@ class KerasTorchAdapter(_KerasAdapter):
 
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+
+    def _inference(self):
+        import torch
+
+        return torch.no_grad()
 
     def _gradients(self, case, layer):
         import torch
@@ -258,4 +342,69 @@ class KerasNumpyAdapter(_KerasAdapter):
     capabilities = frozenset(CAPABILITIES - {"gradients"})
 
 
-__all__ = ["KerasJaxAdapter", "KerasTorchAdapter", "KerasTensorFlowAdapter", "KerasNumpyAdapter"]
+#: The adapter class of each Keras backend.
+BACKEND_ADAPTERS = {a.backend: a for a in (KerasJaxAdapter, KerasTorchAdapter,
+                                           KerasTensorFlowAdapter, KerasNumpyAdapter)}
+#: Conformance capabilities an implementation loses with each capability it lacks
+#: (``dcmha.registry.CAPABILITIES``); the others (dropout, per-head masks, traced offsets,
+#: symbolic shapes) are never exercised by the fixtures.
+_LOST_WITH = {"attention_scores": {"attention_scores"}, "intermediates": {"intermediates"},
+              "query_offset": {"decode"}}
+
+
+def capabilities_for(impl, backend: str = "") -> frozenset:
+    """The conformance capabilities of the layer forced onto the implementation ``impl``
+    (a ``dcmha.registry.Implementation``) on its Keras backend (``backend`` when it declares
+    "any"): that backend's, less what ``impl.lacks`` takes away; "long_sequences" only for a
+    path ``"auto"`` takes on a CPU (the long cases exist to cross those paths' size
+    thresholds; interpreters and GPU-only paths skip them)."""
+    caps = set(BACKEND_ADAPTERS[impl.backend if impl.backend != "any" else backend].capabilities)
+    for lacked in impl.lacks:
+        caps -= _LOST_WITH.get(lacked, set())
+    if "cpu" not in impl.auto_devices:
+        caps.discard("long_sequences")
+    return frozenset(caps)
+
+
+def _probe(layer_adapter) -> None:
+    """Call the layer once, forced onto the adapter's implementation, on the simplest input:
+    a RuntimeError with the reason when the implementation cannot run in this process."""
+    import dcmha
+
+    keras = layer_adapter.keras
+    layer = dcmha.DCMHA(num_heads=2, key_dim=4, implementation=layer_adapter.implementation)
+    layer.build((1, 4, 8), (1, 4, 8))
+    x = keras.ops.ones((1, 4, 8), "float32")
+    try:
+        with layer_adapter._inference():
+            keras.ops.convert_to_numpy(layer_adapter._call(layer, x, x, None))
+    except Exception as e:
+        raise RuntimeError(f"implementation {layer_adapter.implementation!r} cannot run here: "
+                           f"{type(e).__name__}: {e}") from None
+
+
+def implementation_adapter(implementation: str, backend: str = "") -> _KerasAdapter:
+    """The "impl-<implementation>" adapter: the layer with ``implementation=<implementation>``
+    on that implementation's Keras backend (``backend`` for one declared on "any"), with
+    ``capabilities_for`` it. Raises (an import failure, for the runner) when the
+    implementation cannot run in this process."""
+    from dcmha import registry
+
+    impls = registry.implementations()
+    if implementation not in impls:
+        raise RuntimeError(f"no implementation {implementation!r} is registered (registered: "
+                           f"{', '.join(sorted(impls))})")
+    impl = impls[implementation]
+    on = impl.backend if impl.backend != "any" else backend
+    if on not in BACKEND_ADAPTERS:
+        raise RuntimeError(f"implementation {implementation!r} runs on the Keras backend "
+                           f"{impl.backend!r}; give one of {sorted(BACKEND_ADAPTERS)}")
+    name = f"impl-{implementation}" + (f"-{on}" if impl.backend == "any" else "")
+    adapter = BACKEND_ADAPTERS[on](implementation=implementation, name=name,
+                                   capabilities=capabilities_for(impl, on))
+    _probe(adapter)
+    return adapter
+
+
+__all__ = ["KerasJaxAdapter", "KerasTorchAdapter", "KerasTensorFlowAdapter", "KerasNumpyAdapter",
+           "BACKEND_ADAPTERS", "capabilities_for", "implementation_adapter"]

@@ -26,7 +26,8 @@ from dcmha.spec import reference
 
 class OnnxRuntimeAdapter(Adapter):
     name = "onnxruntime"
-    capabilities = frozenset({"forward", "decode", "float32", "float16", "intermediates"})
+    capabilities = frozenset({"forward", "decode", "float32", "float16", "intermediates",
+                              "attention_scores", "long_sequences"})
 
     def __init__(self, opset=None):
         self.opset = opset
