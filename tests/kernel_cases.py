@@ -8,6 +8,7 @@ and the hand-written backward of ``spec/reference_grad.py``; ``assert_close`` ap
 conformance tolerance policy (``dcmha.spec.tolerance``) computed from that result.
 """
 
+import importlib
 import math
 
 import numpy as np
@@ -16,6 +17,23 @@ from dcmha.spec import reference as ref
 from dcmha.spec import reference_grad as ref_grad
 from dcmha.spec import terms as spec_terms
 from dcmha.spec import tolerance as tol
+
+#: The kernel CPU path of each Keras backend that has one.
+CPU_PATHS = {"jax": "jax_cpu", "tensorflow": "tf_cpu"}
+
+
+def cpu_path_or_skip():
+    """(Keras backend, path name, the path's kernel module) for the jax_cpu / tf_cpu tests;
+    skips the calling test module on the other Keras backends."""
+    import pytest
+
+    keras = pytest.importorskip("keras")
+    backend = keras.backend.backend()
+    if backend not in CPU_PATHS:
+        pytest.skip("the kernel CPU paths run on the Keras jax and tensorflow backends",
+                    allow_module_level=True)
+    path = CPU_PATHS[backend]
+    return backend, path, importlib.import_module(f"dcmha.backends.{path}.dcmha_{path}")
 
 TERMS = spec_terms.TERM_NAMES
 

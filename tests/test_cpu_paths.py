@@ -19,13 +19,10 @@ import shutil
 import numpy as np
 import pytest
 
-keras = pytest.importorskip("keras")
-BACKEND = keras.backend.backend()
-if BACKEND not in ("jax", "tensorflow"):
-    pytest.skip("the kernel CPU paths run on the Keras jax and tensorflow backends",
-                allow_module_level=True)
+import kernel_cases
 
-import kernel_cases  # noqa: E402
+BACKEND, PATH, core = kernel_cases.cpu_path_or_skip()
+
 from dcmha import DCMHA  # noqa: E402
 from dcmha import call as dcall  # noqa: E402
 from dcmha import ops as dops  # noqa: E402
@@ -33,8 +30,6 @@ from dcmha import registry  # noqa: E402
 from kernel_cases import assert_close, make_problem, spec_result  # noqa: E402
 from keras import ops  # noqa: E402
 
-PATH = {"jax": "jax_cpu", "tensorflow": "tf_cpu"}[BACKEND]
-core = importlib.import_module(f"dcmha.backends.{PATH}.dcmha_{PATH}")
 keras_core = importlib.import_module(f"dcmha.backends.{PATH}.keras_core")
 
 HAVE_COMPILERS = (any(shutil.which(c) for c in ("cc", "gcc", "clang"))

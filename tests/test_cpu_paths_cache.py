@@ -17,19 +17,15 @@ import shutil
 
 import pytest
 
-keras = pytest.importorskip("keras")
-BACKEND = keras.backend.backend()
-if BACKEND not in ("jax", "tensorflow"):
-    pytest.skip("the kernel CPU paths run on the Keras jax and tensorflow backends",
-                allow_module_level=True)
+from kernel_cases import cpu_path_or_skip
+
+BACKEND, PATH, core = cpu_path_or_skip()
 
 from kernel_cache_cases import *  # noqa: E402,F401,F403 - the shared cases run here
 from kernel_cache_cases import _fields  # noqa: E402
 
 from dcmha.backends import cpu_kernel  # noqa: E402
 
-PATH = {"jax": "jax_cpu", "tensorflow": "tf_cpu"}[BACKEND]
-core = importlib.import_module(f"dcmha.backends.{PATH}.dcmha_{PATH}")
 framework = importlib.import_module({"jax": "jaxlib", "tensorflow": "tensorflow"}[BACKEND])
 
 
