@@ -36,6 +36,7 @@ from keras import ops
 
 from dcmha import call as dcall
 from dcmha import registry
+from dcmha.call import _fits  # shape matches; None (unknown / free) matches anything
 from dcmha.call import check_positive_int as _check_positive_int
 from dcmha.call import shape_of as _shape
 from dcmha.spec import terms as spec_terms
@@ -48,11 +49,6 @@ _MASKED = spec_terms.MASKED_SCORE
 
 
 _ALL_SLOTS = ("pre_query", "pre_key", "post_query", "post_key")
-
-
-def _fits(shape, expected):
-    """shape matches expected; None in either (unknown / free) matches anything."""
-    return dcall._fits(shape, expected)
 
 
 # ---------------------------------------------------------------------------
