@@ -252,6 +252,11 @@ class AttentionCall:
         return {n: t for n, t in (("pre", self.pre), ("post", self.post)) if t}
 
     @property
+    def terms(self) -> frozenset:
+        """The names of the compose terms present in any stage."""
+        return frozenset(n for t in self.stages.values() for n in t)
+
+    @property
     def length_product(self) -> Optional[int]:
         """T * S, or None when either is unknown."""
         return None if self.T is None or self.S is None else self.T * self.S

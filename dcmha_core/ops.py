@@ -178,45 +178,32 @@ stage_terms = spec_terms.stage_terms
 # Compose
 # ---------------------------------------------------------------------------
 
+def _eye32(m):
+    return ops.eye(m, dtype="float32")
+
+
 def query_compose_matrix(terms, num_heads_per_group):
-    """The query-side factor of compose: wq[n, m] = I + static[m, n] + sum_r qw1[r, m]
-    qw2[r, n] + diag(qdd)[m, n], float32, (B, T, G, M, M) (or (G, M, M) with static terms
-    only), or None without query-side and static terms (see ``compose_matrices``)."""
-    if not any(n in terms for n in ("static", "qw1", "qdd")):
-        return None
-    eye = ops.eye(num_heads_per_group, dtype="float32")
-    wq = eye                                        # the residual
-    if "static" in terms:
-        wq = wq + ops.transpose(ops.cast(terms["static"], "float32"), (0, 2, 1))
-    if "qw1" in terms:
-        wq = wq + ops.einsum("btgrm,btgrn->btgnm", terms["qw1"], terms["qw2"])
-    if "qdd" in terms:
-        wq = wq + terms["qdd"][..., :, None] * eye
-    return wq
+    """The query-side factor of compose alone (``compose_matrices``' wq): float32,
+    (B, T, G, M, M) (or (G, M, M) with static terms only), or None without
+    query-factor terms."""
+    return spec_terms.compose_factors(terms, num_heads_per_group, einsum=ops.einsum,
+                                      eye=_eye32, factors=("query",))[0]
 
 
 def compose_matrices(terms, num_heads_per_group):
     """The two small factors of compose, in float32 (M = ``num_heads_per_group``).
 
-    Returns (wq, wk): wq is the query-side block transposed, [n, m] =
-    I + static[m, n] + sum_r qw1[r, m] qw2[r, n] + diag(qdd)[m, n], of shape
-    (B, T, G, M, M), or (G, M, M) with static terms only, or None without
-    query-side or static terms (the residual is then added as is); wk is the key-side
-    block transposed, sum_r kw1[r, m] kw2[r, n] + diag(kdd), (B, S, G, M, M),
-    or None without key-side terms. Neither has an S (resp. T) axis, so
-    folding every term and the residual into them costs nothing and leaves
-    one contraction with the big tensor per side.
+    Returns (wq, wk), each transposed, [.., n, m]: wq = I + the query-factor terms
+    (static, qw1 qw2, diag(qdd)), (B, T, G, M, M), or (G, M, M) with static terms
+    only, or None without them (the residual is then added as is); wk = the
+    key-factor terms (kw1 kw2, diag(kdd)), (B, S, G, M, M), or None. The
+    arithmetic of each term is its einsum in ``dcmha.spec.terms.COMPOSE_TERMS``
+    (``compose_factors``), so a new term needs no change here. Neither factor has
+    an S (resp. T) axis, so folding every term and the residual into them costs
+    nothing and leaves one contraction with the big tensor per side.
     """
-    M = num_heads_per_group
-    eye = ops.eye(M, dtype="float32")
-    wq = query_compose_matrix(terms, M)
-    wk = None
-    if "kw1" in terms:
-        wk = ops.einsum("bsgrm,bsgrn->bsgnm", terms["kw1"], terms["kw2"])
-    if "kdd" in terms:
-        gate = terms["kdd"][..., :, None] * eye
-        wk = gate if wk is None else wk + gate
-    return wq, wk
+    return spec_terms.compose_factors(terms, num_heads_per_group, einsum=ops.einsum,
+                                      eye=_eye32)
 
 
 def _compose_qm(x, wq, wk):
@@ -627,6 +614,7 @@ def attention(call):
 #: The plain core's registration (entry point ``ops`` of ``dcmha.implementations``).
 IMPLEMENTATION = registry.Implementation(
     name="ops", backend="any", module="dcmha.ops", devices=frozenset({"cpu", "gpu", "tpu"}),
+    terms=frozenset(spec_terms.TERM_NAMES),     # every term: its arithmetic is read from the spec
     description="the plain keras.ops core (every backend, every capability)")
 
 

@@ -37,6 +37,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
+from dcmha.spec import terms as spec_terms
+
 __all__ = ["CAPABILITIES", "ENTRY_POINT_GROUP", "Implementation", "implementations", "get",
            "register", "unregister", "select", "explain", "resolve", "current_device",
            "load_errors"]
@@ -70,6 +72,10 @@ class Implementation:
         devices: where it runs: a subset of {"cpu", "gpu", "tpu"}.
         auto_devices: where ``"auto"`` may take it (a subset of ``devices``).
         lacks: the capabilities (``CAPABILITIES``) it does not have.
+        terms: the compose terms it computes (names of
+            ``dcmha.spec.terms.COMPOSE_TERMS``); default: the spec's first set,
+            ``BASE_TERMS``, so that a term added to the spec later is refused on
+            an implementation until it declares it.
         priority: ``"auto"`` tries higher priorities first.
         min_length_product: ``"auto"`` takes it only when T * S is known and at
             least this (0: no threshold): below it the plain core is as fast.
@@ -84,6 +90,7 @@ class Implementation:
     devices: frozenset = frozenset({"cpu", "gpu"})
     auto_devices: frozenset = frozenset()
     lacks: frozenset = frozenset()
+    terms: frozenset = spec_terms.BASE_TERMS
     priority: int = 0
     min_length_product: int = 0
     cpu_env: Mapping[str, str] = field(default_factory=dict)
@@ -111,7 +118,8 @@ class Implementation:
             raise ValueError(f"`cpu_env` of implementation {self.name!r} must map variable names "
                              f"to strings. Received: cpu_env={self.cpu_env!r}")
         for attr, allowed in (("devices", _DEVICES), ("auto_devices", self.devices),
-                              ("lacks", CAPABILITIES)):
+                              ("lacks", CAPABILITIES),
+                              ("terms", frozenset(spec_terms.TERM_NAMES))):
             value = frozenset(getattr(self, attr))
             if not value <= allowed:
                 raise ValueError(f"`{attr}` of implementation {self.name!r} must be a subset of "
@@ -258,6 +266,10 @@ def _device_problem(impl: Implementation, device: str) -> Optional[str]:
 
 
 def _lacks_problem(impl: Implementation, call) -> Optional[str]:
+    unknown = sorted(call.terms - impl.terms)
+    if unknown:
+        return (f"the call uses the compose term{'s' * (len(unknown) > 1)} {unknown}, which it "
+                f"does not compute (it declares {sorted(impl.terms)})")
     missing = sorted(call.needs & impl.lacks)
     if not missing:
         return None

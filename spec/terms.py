@@ -16,18 +16,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple
 
-__all__ = ["Term", "COMPOSE_TERMS", "TERM_NAMES", "TERMS", "PAIRS", "MASKED_SCORE",
-           "stage_terms", "term_shape", "key_range", "visible"]
+__all__ = ["Term", "COMPOSE_TERMS", "TERM_NAMES", "TERMS", "PAIRS", "BASE_TERMS", "MASKED_SCORE",
+           "stage_terms", "term_shape", "compose_factors", "key_range", "visible"]
 
 
 @dataclass(frozen=True)
 class Term:
-    """One compose term: its keyword name, the side it comes from and its shape.
+    """One compose term: its keyword name, the side it comes from, its shape and its
+    arithmetic.
 
     side: "query" (one value per query position t), "key" (per key position s)
     or "static" (no position). dynamic: the dynamic weight it is read from
     ("w1", "w2" or "dd"; None for static). pair: the other half of a low-rank
     product (qw1 with qw2), which must be given together.
+
+    factor / equation: what the term adds to one of the two small factors of
+    compose (``compose_factors``): ``factor`` is "query" (the (.., T, G, M, M)
+    factor, which also holds the residual I) or "key" (the (.., S, G, M, M)
+    factor), and ``equation`` an einsum equation whose operands are the term,
+    then its pair when it has one, then the (M, M) identity when the equation
+    has a third (or second, unpaired) operand, and whose output is the factor
+    transposed, [.., n, m]: the weight with which source head m reaches head n.
+    The second term of a pair has no equation (its first term's covers both).
     """
 
     name: str
@@ -35,17 +45,20 @@ class Term:
     shape: Tuple[str, ...]
     dynamic: Optional[str]
     pair: Optional[str] = None
+    factor: Optional[str] = None
+    equation: Optional[str] = None
 
 
 #: Every compose term, in the order of the spec's formula (SPEC.md, "Compose").
 COMPOSE_TERMS: Tuple[Term, ...] = (
-    Term("qw1", "query", ("B", "T", "G", "R", "M"), "w1", "qw2"),
-    Term("qw2", "query", ("B", "T", "G", "R", "M"), "w2", "qw1"),
-    Term("kw1", "key", ("B", "S", "G", "R", "M"), "w1", "kw2"),
-    Term("kw2", "key", ("B", "S", "G", "R", "M"), "w2", "kw1"),
-    Term("qdd", "query", ("B", "T", "G", "M"), "dd"),
-    Term("kdd", "key", ("B", "S", "G", "M"), "dd"),
-    Term("static", "static", ("G", "M", "M"), None),
+    Term("qw1", "query", ("B", "T", "G", "R", "M"), "w1", "qw2", "query",
+         "btgrm,btgrn->btgnm"),
+    Term("qw2", "query", ("B", "T", "G", "R", "M"), "w2", "qw1", "query"),
+    Term("kw1", "key", ("B", "S", "G", "R", "M"), "w1", "kw2", "key", "bsgrm,bsgrn->bsgnm"),
+    Term("kw2", "key", ("B", "S", "G", "R", "M"), "w2", "kw1", "key"),
+    Term("qdd", "query", ("B", "T", "G", "M"), "dd", None, "query", "btgn,nm->btgnm"),
+    Term("kdd", "key", ("B", "S", "G", "M"), "dd", None, "key", "bsgn,nm->bsgnm"),
+    Term("static", "static", ("G", "M", "M"), None, None, "query", "gmn->gnm"),
 )
 
 TERMS = {t.name: t for t in COMPOSE_TERMS}
@@ -53,6 +66,12 @@ TERM_NAMES: Tuple[str, ...] = tuple(t.name for t in COMPOSE_TERMS)
 #: The low-rank pairs, each as (first, second).
 PAIRS: Tuple[Tuple[str, str], ...] = tuple(
     (t.name, t.pair) for t in COMPOSE_TERMS if t.pair and t.dynamic == "w1")
+
+#: The terms of the first version of the spec: what an implementation that does not
+#: declare its terms (``dcmha.registry.Implementation.terms``) is taken to compute. A
+#: term added to ``COMPOSE_TERMS`` later is refused on such an implementation, so
+#: that no kernel silently drops a term it has never heard of.
+BASE_TERMS = frozenset({"qw1", "qw2", "kw1", "kw2", "qdd", "kdd", "static"})
 
 #: The value a masked score gets before the softmax. Finite, so that a fully
 #: masked row stays finite through the softmax (it becomes uniform and is zeroed
@@ -85,6 +104,38 @@ def stage_terms(stage: str, query_dynamic: Optional[Mapping] = None,
         elif term.dynamic in sides[term.side]:
             out[term.name] = sides[term.side][term.dynamic]
     return out
+
+
+def compose_factors(terms: Mapping, num_heads_per_group: int, *, einsum, eye,
+                    factors=("query", "key")):
+    """The two small factors of compose from ``terms`` (the present ones, by name).
+
+    einsum(equation, *operands) and eye(M) come from the caller's array library
+    (NumPy, ``keras.ops``, torch, ...); each term adds ``einsum(term.equation,
+    ...)`` to its factor. Returns (wq, wk): wq = I + the query-factor terms,
+    [.., n, m], (B, T, G, M, M) (or (G, M, M) with static terms only), or None
+    when no query-factor term is present (the residual is then added as is); wk
+    = the key-factor terms, (B, S, G, M, M), or None. ``factors`` limits the
+    work to one of them (the other is then None). compose is then
+    out[n, t, s] = sum_m wq[t, n, m] a[m, t, s] + sum_m wk[s, n, m] a[m, t, s].
+    """
+    identity = None
+    wanted = factors
+    factors = {"query": None, "key": None}
+    for term in COMPOSE_TERMS:
+        if term.equation is None or term.name not in terms or term.factor not in wanted:
+            continue
+        operands = [terms[term.name]] + ([terms[term.pair]] if term.pair else [])
+        if term.equation.count(",") == len(operands):     # one more operand: the identity
+            identity = eye(num_heads_per_group) if identity is None else identity
+            operands.append(identity)
+        part = einsum(term.equation, *operands)
+        old = factors[term.factor]
+        factors[term.factor] = part if old is None else old + part
+    wq, wk = factors["query"], factors["key"]
+    if wq is not None:
+        wq = (eye(num_heads_per_group) if identity is None else identity) + wq
+    return wq, wk
 
 
 def key_range(t0: int, t1: int, S: int, *, causal: bool, window: Optional[int],

@@ -28,6 +28,7 @@ from dcmha import call as dcall
 from dcmha import ops as dops
 from dcmha import registry
 from dcmha.layers import DCMHA
+from dcmha.spec import terms as spec_terms
 
 BACKEND = keras.backend.backend()
 OTHER_BACKEND = "torch" if BACKEND == "jax" else "jax"
@@ -229,6 +230,9 @@ def test_entry_points_are_checked(monkeypatch, toy, case):
     (dict(lacks={"dropout", "flash"}),
      f"`lacks` of implementation 'toy' must be a subset of {CAPABILITIES}. "
      "Received: ['dropout', 'flash']"),
+    (dict(terms={"qw1", "qw3"}),
+     f"`terms` of implementation 'toy' must be a subset of {sorted(spec_terms.TERM_NAMES)}. "
+     "Received: ['qw1', 'qw3']"),
 ])
 def test_bad_implementation_fields_are_refused(fields, message):
     fields = {"name": "toy", "backend": BACKEND, "module": TOY_MODULE, **fields}
@@ -336,6 +340,28 @@ def test_a_forced_name_is_refused_for_its_device_and_capabilities(toy, monkeypat
     assert dops.select_implementation("toy_gpu", describe()) == ("toy_gpu", module.attention)
     # A forced name does not ask preferred(): that is for "auto".
     assert [kind for kind, _ in module.seen] == ["unsupported", "unsupported"]
+
+
+def test_an_implementation_is_refused_a_compose_term_it_does_not_declare(toy):
+    """A term the spec gained after a path was written never reaches that path: "auto"
+    passes over it and a forced name is refused, both before its module runs."""
+    register, module = toy
+    assert register("toy_default").terms == spec_terms.BASE_TERMS
+    assert registry.get("ops").terms == frozenset(spec_terms.TERM_NAMES)
+    register("toy_nostatic", terms=spec_terms.BASE_TERMS - {"static"}, auto_devices={"cpu"},
+             priority=999)
+    static = ops.convert_to_tensor(np.zeros((1, 2, 2), np.float32))
+    call = describe(pre={"static": static}, post={"static": static})
+    assert call.terms == frozenset({"static"})
+    reason = ("the call uses the compose term ['static'], which it does not compute (it "
+              "declares ['kdd', 'kw1', 'kw2', 'qdd', 'qw1', 'qw2'])")
+    with pytest.raises(ValueError, match=exact(
+            f"`implementation='toy_nostatic'` cannot run this call: {reason}")):
+        dops.select_implementation("toy_nostatic", call)
+    assert ("toy_nostatic", reason) in registry.explain(call)
+    assert module.seen == []
+    # Without the term it is the first choice.
+    assert dops.select_implementation("auto", describe())[0] == "toy_nostatic"
 
 
 def test_a_forced_name_whose_module_does_not_import_is_refused(toy):

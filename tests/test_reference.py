@@ -18,6 +18,7 @@ from dcmha.conformance.adapters.reference import ReferenceAdapter
 from dcmha.conformance.runner import check_case
 from dcmha.spec import reference as ref
 from dcmha.spec import reference_grad
+from dcmha.spec import terms as spec_terms
 from dcmha.spec import tolerance as tol
 
 CASES = {c.name: c for c in load_cases()}
@@ -73,6 +74,23 @@ def test_compose_matches_matrices(terms, G):
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     # every term changes the result (the test would be vacuous otherwise)
     assert np.max(np.abs(got - a)) > 0.1
+    # The declared arithmetic of the terms (spec.terms: each term's einsum into one of the two
+    # small factors, which dcmha.ops computes with) gives the spec's formula.
+    np.testing.assert_allclose(_compose_by_declared_factors(a, G, kw), got,
+                               rtol=1e-12, atol=1e-12)
+
+
+def _compose_by_declared_factors(a, G, kw):
+    B, N, T, S = a.shape
+    M = N // G
+    x = a.reshape(B, G, M, T, S)
+    wq, wk = spec_terms.compose_factors(kw, M, einsum=np.einsum, eye=np.eye)
+    out = x if wq is None else (
+        np.einsum("gnm,bgmts->bgnts", wq, x) if wq.ndim == 3 else
+        np.einsum("btgnm,bgmts->bgnts", wq, x))
+    if wk is not None:
+        out = out + np.einsum("bsgnm,bgmts->bgnts", wk, x)
+    return out.reshape(B, N, T, S)
 
 
 def test_compose_identity_without_terms():
