@@ -52,6 +52,8 @@ from typing import Dict, Mapping, Optional
 
 import numpy as np
 
+from .terms import TERMS
+
 from .reference import (QK_NORM_EPS, W1_NORM_EPS, Config, compose, compose_terms,
                         dynamic_weights_both_sides, gelu, make_mask, masked_softmax,
                         rms_normalize, rope, side_slots, slots)
@@ -202,11 +204,6 @@ def masked_softmax_backward(p: np.ndarray, g_p: np.ndarray, mask: np.ndarray) ->
 # The whole layer
 # ---------------------------------------------------------------------------
 
-# compose keyword -> (side, dynamic-weight entry)
-_TERM_SOURCE = {"qw1": ("query", "w1"), "qw2": ("query", "w2"), "qdd": ("query", "dd"),
-                "kw1": ("key", "w1"), "kw2": ("key", "w2"), "kdd": ("key", "dd")}
-
-
 def _sum_repeated_heads(g_h: np.ndarray, rep: int) -> np.ndarray:
     """(B,S,N,e) -> (B,S,N_kv,e): query head h read kv head h // rep (np.repeat)."""
     B, S, N, e = g_h.shape
@@ -309,11 +306,13 @@ def attention_grads(params: Mapping, cfg: Config, query: np.ndarray,
 
     def scatter_terms(stage, terms):
         for term, g_term in terms.items():
-            if term == "static":
+            source = TERMS[term]                    # where the term is read from (spec.terms)
+            if source.dynamic is None:
                 grads["static_" + stage] = g_term
             else:
-                side, entry = _TERM_SOURCE[term]
-                g_dyn[side].setdefault(f"{stage}_{side}", {})[entry] = g_term
+                # Accumulate: two terms may read the same dynamic weight.
+                slot = g_dyn[source.side].setdefault(f"{stage}_{source.side}", {})
+                slot[source.dynamic] = slot.get(source.dynamic, 0.0) + g_term
 
     g_probs = g_p
     if cfg.post_compose:
