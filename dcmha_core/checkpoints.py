@@ -28,12 +28,20 @@ so the converted model uses ``gelu_approximate=False`` unless overridden.
 
 from __future__ import annotations
 
+import collections
+import json
+import os
+import pickle
 import re
+import zipfile
 from typing import Mapping
 
 import numpy as np
 
-__all__ = ["from_official_state_dict", "official_config_to_kwargs", "to_official_state_dict"]
+__all__ = ["from_official_state_dict", "official_config_to_kwargs", "to_official_state_dict",
+           "official_model_arguments", "read_torch_bin", "read_safetensors",
+           "load_official_state_dict", "read_official_config", "from_official_directory",
+           "resolve_checkpoint_dir", "write_official_directory"]
 
 #: Defaults of the official DCFormerConfig for the keys that matter here.
 OFFICIAL_DEFAULTS = dict(
@@ -221,6 +229,17 @@ def from_official_state_dict(state_dict: Mapping, config, *, dtype=None, **overr
     """
     from dcmha.models import DCFormerLM
 
+    sd, kw, args = official_model_arguments(state_dict, config, dtype=dtype, **overrides)
+    model = DCFormerLM(**args)
+    model.build((None, None))
+    _assign_all(model, sd, kw)
+    return model
+
+
+def official_model_arguments(state_dict: Mapping, config, *, dtype=None, **overrides):
+    """The checked state dict (NumPy), the converted config and the `DCFormerLM`
+    arguments of an official checkpoint: the part of `from_official_state_dict`
+    that any model with DCFormerLM's layers (e.g. `dcmha.hub.DCFormerBackbone`) reuses."""
     if not isinstance(state_dict, Mapping):
         raise TypeError("`state_dict` must be a mapping {name: array or tensor}. "
                         f"Received: {type(state_dict).__name__}")
@@ -274,10 +293,7 @@ def from_official_state_dict(state_dict: Mapping, config, *, dtype=None, **overr
     args.update(overrides)
     if dtype is not None:
         args["dtype"] = dtype
-    model = DCFormerLM(**args)
-    model.build((None, None))
-    _assign_all(model, sd, kw)
-    return model
+    return sd, kw, args
 
 
 def _assign(variable, value):
@@ -356,3 +372,410 @@ def to_official_state_dict(model, fused_qkv: bool = True) -> dict:
         for n in ("w1", "w3", "w2"):
             sd[p + f"feed_forward.{n}.weight"] = np_(getattr(block.feed_forward, n).kernel).T
     return sd
+
+
+# ---------------------------------------------------------------------------
+# Checkpoint directories in the release layout
+# ---------------------------------------------------------------------------
+#
+#   config.json                                  the official config (a Hugging Face config)
+#   pytorch_model.bin                            one torch.save'd state dict, or shards:
+#   pytorch_model-00001-of-0000N.bin + pytorch_model.bin.index.json
+#   model.safetensors                            or shards:
+#   model-00001-of-0000N.safetensors + model.safetensors.index.json
+#   tokenizer.json                               (read by dcmha.hub.DCFormerTokenizer)
+#
+# An index file is JSON {"metadata": {...}, "weight_map": {name: shard file name}}.
+
+#: torch storage classes -> NumPy dtype of their elements ("bfloat16": uint16 words,
+#: widened to float32 below, since NumPy has no bfloat16).
+_TORCH_STORAGES = {"FloatStorage": "float32", "DoubleStorage": "float64",
+                   "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
+                   "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
+                   "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool"}
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+                       "U8": "uint8", "BOOL": "bool"}
+
+
+def _bfloat16_to_float32(words: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32: bfloat16 is the top half of a float32."""
+    return (words.astype(np.uint32) << 16).view(np.float32)
+
+
+class _Storage:
+    """One torch storage of a .bin archive, read on first use."""
+
+    def __init__(self, archive, record, dtype, numel):
+        self.archive, self.record, self.dtype, self.numel = archive, record, dtype, numel
+        self._data = None
+
+    def data(self) -> np.ndarray:
+        if self._data is None:
+            raw = self.archive.read(self.record)
+            words = np.frombuffer(raw, dtype="uint16" if self.dtype == "bfloat16"
+                                  else self.dtype)
+            self._data = words
+        return self._data
+
+
+def _rebuild_tensor(storage, offset, size, stride, *_ignored):
+    """torch._utils._rebuild_tensor_v2 for NumPy: a strided view of the storage, copied."""
+    data = storage.data()
+    size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
+    if size and any(s == 0 for s in size):
+        out = np.zeros(size, data.dtype)
+    else:
+        last = int(offset) + sum((n - 1) * s for n, s in zip(size, stride))
+        if int(offset) < 0 or last >= data.size or any(s < 0 for s in stride):
+            raise ValueError(f"Tensor view (offset {offset}, size {size}, stride {stride}) "
+                             f"lies outside its storage of {data.size} elements.")
+        out = np.lib.stride_tricks.as_strided(
+            data[int(offset):], shape=size,
+            strides=tuple(s * data.itemsize for s in stride)).copy()
+    if storage.dtype == "bfloat16":
+        out = _bfloat16_to_float32(out)
+    return out
+
+
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, *_ignored):
+    return data
+
+
+class _WeightsOnlyUnpickler(pickle.Unpickler):
+    """Unpickles a torch.save'd state dict without torch and without running any code:
+    only OrderedDict, the two tensor rebuild functions and the storage classes resolve;
+    every other global is refused."""
+
+    _ALLOWED = {("collections", "OrderedDict"): collections.OrderedDict,
+                ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+                ("torch._utils", "_rebuild_parameter"): _rebuild_parameter}
+
+    def __init__(self, file, archive, prefix, filename):
+        super().__init__(file)
+        self.archive, self.prefix, self.filename = archive, prefix, filename
+        self.storages = {}
+
+    def find_class(self, module, name):
+        if (module, name) in self._ALLOWED:
+            return self._ALLOWED[(module, name)]
+        if module == "torch" and name in _TORCH_STORAGES:
+            return ("storage class", _TORCH_STORAGES[name])
+        raise ValueError(f"{self.filename}: refusing to unpickle the global '{module}.{name}' "
+                         "(a weights-only checkpoint holds tensors, not objects).")
+
+    def persistent_load(self, pid):
+        if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
+                or not (isinstance(pid[1], tuple) and pid[1][:1] == ("storage class",))):
+            raise ValueError(f"{self.filename}: unsupported persistent id {pid!r:.200}")
+        _, (_, dtype), key, _location, numel = pid
+        if key not in self.storages:
+            self.storages[key] = _Storage(self.archive, f"{self.prefix}data/{key}", dtype,
+                                          int(numel))
+        return self.storages[key]
+
+
+def read_torch_bin(path) -> dict:
+    """The state dict of a `torch.save` zip archive (pytorch_model*.bin) as NumPy arrays.
+
+    Weights only and without torch: the pickle may name nothing but
+    ``collections.OrderedDict``, ``torch._utils._rebuild_tensor_v2`` /
+    ``_rebuild_parameter`` and torch's storage classes; anything else raises a
+    ValueError naming the file and the global. Views (e.g. the official
+    ``qkw_m``, a view of ``qkw``) are read through their offset and strides.
+    bfloat16 storages come back as float32 (exact).
+    """
+    path = os.fspath(path)
+    name = os.path.basename(path)
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{name}: not a torch zip archive (torch.save's legacy non-zip format "
+                         "is not supported; re-save it with a current torch).")
+    with zipfile.ZipFile(path) as archive:
+        pickles = [n for n in archive.namelist() if n.endswith("data.pkl")
+                   and n.count("/") == 1]
+        if len(pickles) != 1:
+            raise ValueError(f"{name}: expected one '<archive>/data.pkl' record, found "
+                             f"{pickles}.")
+        prefix = pickles[0][:-len("data.pkl")]
+        order = archive.read(prefix + "byteorder").decode().strip() \
+            if prefix + "byteorder" in archive.namelist() else "little"
+        if order != "little":
+            raise ValueError(f"{name}: byte order {order!r}; only little-endian is supported.")
+        with archive.open(pickles[0]) as f:
+            result = _WeightsOnlyUnpickler(f, archive, prefix, name).load()
+    if not isinstance(result, Mapping):
+        raise ValueError(f"{name}: holds a {type(result).__name__}, not a state dict.")
+    return {str(k): v for k, v in result.items()}
+
+
+def read_safetensors(path) -> dict:
+    """A .safetensors file as NumPy arrays (safetensors' NumPy API; bfloat16, which
+    NumPy lacks, is read as its uint16 words and widened to float32, exact)."""
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    out, bf16 = {}, []
+    with safe_open(path, framework="np") as f:
+        for key in f.keys():
+            if f.get_slice(key).get_dtype() == "BF16":
+                bf16.append(key)
+            else:
+                out[key] = f.get_tensor(key)
+    if bf16:
+        # The format: an 8-byte little-endian header size, a JSON header
+        # {name: {dtype, shape, data_offsets}}, then the data.
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+            for key in bf16:
+                begin, end = header[key]["data_offsets"]
+                fh.seek(8 + n + begin)
+                words = np.frombuffer(fh.read(end - begin), dtype="<u2")
+                out[key] = _bfloat16_to_float32(words).reshape(header[key]["shape"])
+    return out
+
+
+_WEIGHT_FORMATS = (  # (index file, single file, reader), safetensors first
+    ("model.safetensors.index.json", "model.safetensors", read_safetensors),
+    ("pytorch_model.bin.index.json", "pytorch_model.bin", read_torch_bin),
+)
+
+
+def load_official_state_dict(directory) -> dict:
+    """The state dict of a checkpoint directory in the release layout (NumPy arrays).
+
+    Reads ``model.safetensors`` (or its shards with ``model.safetensors.index.json``)
+    when present, else ``pytorch_model.bin`` (or its shards with
+    ``pytorch_model.bin.index.json``); see `read_torch_bin` / `read_safetensors`.
+    """
+    directory = os.fspath(directory)
+    for index, single, reader in _WEIGHT_FORMATS:
+        if os.path.isfile(os.path.join(directory, index)):
+            with open(os.path.join(directory, index)) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"{index}: no 'weight_map' {{name: file}} in the index file.")
+            sd = {}
+            for shard in sorted(set(weight_map.values())):
+                shard_path = os.path.join(directory, shard)
+                if os.path.basename(shard) != shard or not os.path.isfile(shard_path):
+                    raise ValueError(f"{index} names the shard {shard!r}, which is not a file "
+                                     f"in {directory}.")
+                sd.update(reader(shard_path))
+            missing = sorted(set(weight_map) - set(sd))
+            if missing:
+                raise ValueError(f"{index} maps {missing[:5]} to shards that do not hold them.")
+            return sd
+        if os.path.isfile(os.path.join(directory, single)):
+            return reader(os.path.join(directory, single))
+    raise ValueError(f"{directory} holds no weights: expected model.safetensors, "
+                     "pytorch_model.bin, or one of their .index.json files with shards. "
+                     f"Found: {sorted(os.listdir(directory))[:10]}")
+
+
+def resolve_checkpoint_dir(path_or_handle) -> str:
+    """A local directory for a directory path or an ``hf://owner/name`` handle
+    (downloaded with huggingface_hub, or taken from its cache)."""
+    handle = os.fspath(path_or_handle)
+    if handle.startswith("hf://"):
+        repo = handle[len("hf://"):].strip("/")
+        if repo.count("/") != 1 or not all(repo.split("/")):
+            raise ValueError("A Hugging Face handle is 'hf://owner/name'. Received: "
+                             f"{handle!r}")
+        try:
+            import huggingface_hub
+        except ImportError:
+            raise ImportError(f"Loading {handle} needs huggingface_hub: "
+                              "pip install 'dcmha[hub]'.") from None
+        try:
+            return huggingface_hub.snapshot_download(
+                repo, allow_patterns=["*.json", "*.bin", "*.safetensors", "*.model"])
+        except Exception as err:  # noqa: BLE001 - one clear line instead of a network trace
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise OSError(f"Could not download {handle} from the Hugging Face Hub "
+                          f"({type(err).__name__}: {reason}). Check the network and the "
+                          "repository name, or pass a local directory.") from None
+    if not os.path.isdir(handle):
+        raise ValueError("`path_or_handle` must be a checkpoint directory (config.json plus "
+                         "weights) or 'hf://owner/name'. Received: "
+                         f"path_or_handle={handle!r}")
+    return handle
+
+
+def read_official_config(directory) -> dict:
+    path = os.path.join(os.fspath(directory), "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{directory} has no config.json (the official DCFormer config).")
+    with open(path) as f:
+        return json.load(f)
+
+
+def from_official_directory(path_or_handle, *, dtype=None, **overrides):
+    """`from_official_state_dict` on a checkpoint directory (or ``hf://owner/name``):
+    config.json plus the weights read by `load_official_state_dict`."""
+    directory = resolve_checkpoint_dir(path_or_handle)
+    config = read_official_config(directory)
+    return from_official_state_dict(load_official_state_dict(directory), config, dtype=dtype,
+                                    **overrides)
+
+
+def _float32_to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+_STORAGE_OF = {v: k for k, v in _TORCH_STORAGES.items()}
+
+
+def _pickle_int(n: int) -> bytes:
+    if -2**31 <= n < 2**31:
+        return b"J" + int(n).to_bytes(4, "little", signed=True)
+    raw = int(n).to_bytes((int(n).bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw                       # LONG1
+
+
+def _pickle_str(s: str) -> bytes:
+    raw = s.encode("utf-8")
+    return b"X" + len(raw).to_bytes(4, "little") + raw             # BINUNICODE
+
+
+def _pickle_tuple(items) -> bytes:
+    return b"(" + b"".join(items) + b"t"                           # MARK ... TUPLE
+
+
+_ORDERED_DICT = b"ccollections\nOrderedDict\n)R"                   # GLOBAL, (), REDUCE
+
+
+def _write_torch_bin(path, tensors: dict, views: dict) -> None:
+    """A torch.save-compatible zip archive of NumPy arrays, written without torch.
+
+    tensors: {name: (array in its storage dtype, dtype name)}; views: {name: (base
+    name, offset, shape, stride)} share the base's storage, as torch views do.
+    The pickle is assembled opcode by opcode (protocol 2), so that it names
+    torch's globals without importing torch.
+    """
+    keys = {name: str(i) for i, name in enumerate(tensors)}
+    body = [b"\x80\x02", _ORDERED_DICT]
+
+    def tensor(base, offset, shape, stride):
+        data, dtype = tensors[base]
+        storage = _pickle_tuple([_pickle_str("storage"),
+                                 f"ctorch\n{_STORAGE_OF[dtype]}\n".encode(),
+                                 _pickle_str(keys[base]), _pickle_str("cpu"),
+                                 _pickle_int(data.size)])
+        return (b"ctorch._utils\n_rebuild_tensor_v2\n"
+                + _pickle_tuple([storage + b"Q", _pickle_int(offset),
+                                 _pickle_tuple(_pickle_int(n) for n in shape),
+                                 _pickle_tuple(_pickle_int(s) for s in stride),
+                                 b"\x89", _ORDERED_DICT]) + b"R")
+
+    for name, (data, _) in tensors.items():
+        stride = [s // data.itemsize for s in data.strides] if data.size else [1] * data.ndim
+        body.append(_pickle_str(name) + tensor(name, 0, data.shape, stride) + b"s")
+    for name, (base, offset, shape, stride) in views.items():
+        body.append(_pickle_str(name) + tensor(base, offset, shape, stride) + b"s")
+    body.append(b".")
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", b"".join(body))
+        z.writestr("archive/byteorder", "little")
+        for name, (data, dtype) in tensors.items():
+            z.writestr(f"archive/data/{keys[name]}",
+                       np.ascontiguousarray(data).astype(data.dtype.newbyteorder("<")).tobytes())
+        z.writestr("archive/version", "3\n")
+
+
+def _write_safetensors(path, tensors: dict) -> None:
+    if all(dtype != "bfloat16" for _, dtype in tensors.values()):
+        from safetensors.numpy import save_file
+        save_file({k: np.ascontiguousarray(a) for k, (a, _) in tensors.items()}, path)
+        return
+    # safetensors' NumPy API has no bfloat16: write the format directly (header size,
+    # JSON header, data), which its reader then parses like any other file.
+    code = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+    header, blobs, offset = {}, [], 0
+    for name, (data, dtype) in tensors.items():
+        raw = np.ascontiguousarray(data).astype(data.dtype.newbyteorder("<")).tobytes()
+        header[name] = {"dtype": code[dtype], "shape": list(data.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def write_official_directory(directory, state_dict: Mapping, config: Mapping, *,
+                             format: str = "safetensors", dtype: str = "float32",
+                             num_shards: int = 1, views: Mapping | None = None,
+                             tokenizer_json=None) -> str:
+    """Write a checkpoint directory in the release layout (the inverse of
+    `from_official_directory`), with NumPy only.
+
+    Args:
+        directory: created if needed.
+        state_dict: {name: array}, e.g. from `to_official_state_dict`.
+        config: the official config dict, written as config.json.
+        format: "safetensors" (model*.safetensors) or "bin" (pytorch_model*.bin,
+            a torch.save-compatible zip archive, written without torch).
+        dtype: "float32", "float16" or "bfloat16" for the floating-point entries.
+        num_shards: > 1 splits the entries over that many files plus an index json.
+        views: "bin" only: {name: (base name, offset, shape, stride)} entries
+            stored as views of another entry's storage (as the official qkw_m).
+        tokenizer_json: a `tokenizers.Tokenizer` (or the JSON text of one), written
+            as tokenizer.json.
+
+    Returns:
+        The directory.
+    """
+    if format not in ("safetensors", "bin"):
+        raise ValueError(f"`format` must be 'safetensors' or 'bin'. Received: format={format!r}")
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError("`dtype` must be 'float32', 'float16' or 'bfloat16'. Received: "
+                         f"dtype={dtype!r}")
+    if not _is_int(num_shards) or num_shards < 1:
+        raise ValueError(f"`num_shards` must be a positive integer. Received: "
+                         f"num_shards={num_shards!r}")
+    views = dict(views or {})
+    if views and format != "bin":
+        raise ValueError("`views` are only stored by format='bin'.")
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    tensors = {}
+    for name, value in state_dict.items():
+        a = _to_numpy(name, value)
+        if np.issubdtype(a.dtype, np.floating):
+            a = _float32_to_bfloat16(a) if dtype == "bfloat16" else a.astype(dtype)
+            tensors[str(name)] = (a, dtype)
+        else:
+            tensors[str(name)] = (a, a.dtype.name)
+    for name, (base, *_rest) in views.items():
+        if base not in tensors:
+            raise ValueError(f"`views[{name!r}]` refers to {base!r}, which is not in state_dict.")
+    names = list(tensors)
+    num_shards = min(int(num_shards), len(names)) or 1
+    ext = "safetensors" if format == "safetensors" else "bin"
+    stem = "model" if format == "safetensors" else "pytorch_model"
+    weight_map = {}
+    for s in range(num_shards):
+        part = {n: tensors[n] for n in names[s::num_shards]}
+        part_views = {n: v for n, v in views.items() if v[0] in part}
+        fname = (f"{stem}.{ext}" if num_shards == 1
+                 else f"{stem}-{s + 1:05d}-of-{num_shards:05d}.{ext}")
+        path = os.path.join(directory, fname)
+        if format == "bin":
+            _write_torch_bin(path, part, part_views)
+        else:
+            _write_safetensors(path, part)
+        weight_map.update({n: fname for n in [*part, *part_views]})
+    if num_shards > 1:
+        with open(os.path.join(directory, f"{stem}.{ext}.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(dict(config), f, indent=1)
+    if tokenizer_json is not None:
+        text = tokenizer_json if isinstance(tokenizer_json, str) else tokenizer_json.to_str()
+        with open(os.path.join(directory, "tokenizer.json"), "w") as f:
+            f.write(text)
+    return directory

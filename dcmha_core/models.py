@@ -494,7 +494,18 @@ class DCFormerLM(keras.Model):
         large models, 5% of the tiny one.
 
         Example: ``DCFormerLM.from_preset("dcformer_tiny", attention="mha")``.
+
+        `name` may also be a checkpoint directory in the authors' release layout
+        (config.json plus pytorch_model*.bin or model*.safetensors, sharded or
+        not) or an ``hf://owner/name`` handle: the released weights, loaded by
+        `dcmha.checkpoints.from_official_directory` (overrides such as ``dtype``
+        or ``query_chunk_size`` go to it).
         """
+        import os
+        if isinstance(name, os.PathLike) or (isinstance(name, str) and (
+                name.startswith("hf://") or os.path.isdir(name))):
+            from dcmha.checkpoints import from_official_directory
+            return from_official_directory(name, **overrides)
         if name not in PRESETS:
             raise ValueError(f"Unknown preset {name!r}. Available: {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})

@@ -60,6 +60,9 @@ def steps() -> list:
     out.append(("dispatch-triton", triton_env, _glob("tests/test_dispatch*.py")))
     out.append(("pallas-interpret", {"KERAS_BACKEND": "jax"}, _glob("tests/test_pallas*.py")))
     out.append(("tf-xla", {"KERAS_BACKEND": "tensorflow"}, _glob("tests/test_xla*.py")))
+    # keras-hub imports TensorFlow (then Triton would abort): its own process per backend.
+    for b in ("jax", "torch", "tensorflow"):
+        out.append((f"hub-{b}", {"KERAS_BACKEND": b}, _glob("tests/test_hub*.py")))
     out.append(("conformance", {}, None))
     return [s for s in out if s[2] is None or s[2]]
 
@@ -82,7 +85,7 @@ def _junit_counts(path: Path) -> dict:
 #: Rough step durations (seconds, 2-core machine) for ordering the steps longest first.
 _EXPECTED_SECONDS = {"conformance": 420, "keras-jax": 390, "keras-tensorflow": 150,
                      "tf-xla": 70, "pallas-interpret": 60, "triton-interpret": 50,
-                     "keras-torch": 40}
+                     "keras-torch": 40, "hub-jax": 70, "hub-tensorflow": 60, "hub-torch": 45}
 
 
 def run_step(label: str, env_over: dict, args, tmp: Path, capture: bool = False) -> dict:
