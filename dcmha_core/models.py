@@ -654,8 +654,9 @@ class DCFormerLM(keras.Model):
 
     def _decode_function(self):
         """(tokens, cache, index) -> (last logits (B, V) float32, cache), compiled
-        where that pays: one XLA program on jax, a tf.function on tensorflow.
-        The index is a tensor so that every step has the same shapes."""
+        where that pays: one XLA program on jax (the cache argument donated), a
+        tf.function on tensorflow (one for the prompt, one for one-token steps).
+        The index is a tensor there, so that every step has the same shapes."""
         backend = keras.backend.backend()
         if backend == "jax":
             # The jitted step is kept (compiled once per shape); the variable
@@ -668,7 +669,9 @@ class DCFormerLM(keras.Model):
                         trainable, non_trainable, tokens, cache=cache, cache_update_index=index)
                     return ops.cast(logits[:, -1, :], "float32"), cache
 
-                self._jax_decode_step = jax.jit(jax_step)
+                # generate hands each cache to one step only: donating it lets XLA
+                # write the new position in place instead of copying every entry.
+                self._jax_decode_step = jax.jit(jax_step, donate_argnums=(3,))
             tv = [v.value for v in self.trainable_variables]
             ntv = [v.value for v in self.non_trainable_variables]
             return lambda tokens, cache, index: self._jax_decode_step(tv, ntv, tokens, cache,
@@ -677,13 +680,19 @@ class DCFormerLM(keras.Model):
             if getattr(self, "_tf_decode_step", None) is None:
                 import tensorflow as tf
 
-                @tf.function(reduce_retracing=True, autograph=False)
                 def tf_step(tokens, cache, index):
                     logits, cache = self.call_with_cache(tokens, cache, index)
                     return ops.cast(logits[:, -1, :], "float32"), cache
 
-                self._tf_decode_step = tf_step
-            return self._tf_decode_step
+                # One function for the prompt and one for the one-token steps:
+                # relaxed to a free length, a shared trace would lose T = 1, which
+                # the attention core's one-query path needs to know statically.
+                self._tf_decode_step = tuple(
+                    tf.function(tf_step, reduce_retracing=True, autograph=False)
+                    for _ in range(2))
+            prefill, one = self._tf_decode_step
+            return lambda tokens, cache, index: (one if tokens.shape[1] == 1 else prefill)(
+                tokens, cache, index)
 
         def last(logits):
             return ops.cast(logits[:, -1, :], "float32")
@@ -731,7 +740,9 @@ class DCFormerLM(keras.Model):
         rng = keras.random.SeedGenerator(seed) if temperature > 0 else None
 
         def index(i):
-            return ops.convert_to_tensor(np.int32(i))
+            # A tensor keeps the compiled steps' shapes fixed (jax, tensorflow); eager
+            # torch takes the int as is (the layer would read a tensor back to one).
+            return i if keras.backend.backend() == "torch" else ops.convert_to_tensor(np.int32(i))
 
         cache = self.init_cache(B, T + max_new_tokens)
         last, cache = step(ops.convert_to_tensor(ids), cache, index(0))      # prefill

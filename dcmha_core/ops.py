@@ -379,6 +379,73 @@ def key_range(t0, t1, S, *, use_causal_mask, sliding_window, query_offset):
                                 offset=query_offset)
 
 
+#: The key-side terms the one-query path applies in low-rank form (see ``_decode_compose``).
+_LOW_RANK_KEY_TERMS = ("kw1", "kw2", "kdd")
+
+
+def _decode_compose(x, terms, M):
+    """Compose for one query: x (B, G, M, S) -> same (float32).
+
+    The query factor (one (M x M) matrix per query, ``query_compose_matrix``) is
+    one small matmul. The key-side terms are applied in their low-rank form,
+    sum_r kw2[s, r, n] (sum_m kw1[s, r, m] x[m, s]) + kdd[s, n] x[n, s]: 2 R M
+    + M multiply-adds per key instead of the M M of the (S, G, M, M) key factor
+    (which is never built); these read the cached (B, S, G, R, M) weights in
+    place. A key-factor term of the spec other than kw1 / kw2 / kdd goes through
+    its factor (``dcmha.spec.terms.compose_factors``).
+    """
+    wq = query_compose_matrix(terms, M)
+    if wq is not None and len(wq.shape) == 5:               # (B, 1, G, M, M) per query
+        wq = wq[:, 0]
+    out = x if wq is None else ops.matmul(wq, x)
+    if "kw1" in terms:
+        y = ops.einsum("bsgrm,bgms->bgrs", terms["kw1"], x)
+        out = out + ops.einsum("bsgrn,bgrs->bgns", terms["kw2"], y)
+    if "kdd" in terms:
+        out = out + ops.einsum("bsgn,bgns->bgns", terms["kdd"], x)
+    other = {n: w for n, w in terms.items() if n not in _LOW_RANK_KEY_TERMS
+             and spec_terms.TERMS[n].factor == "key"}
+    if other:
+        wk = spec_terms.compose_factors(other, M, einsum=ops.einsum, eye=_eye32,
+                                        factors=("key",))[1]
+        out = out + ops.einsum("bsgnm,bgms->bgns", wk, x)
+    return out
+
+
+def _attention_one_query(q, k, v, mask, pre, post, *, num_groups, rows_may_be_empty):
+    """The core for one query (T = 1: a decoding step), without (B, N, T, S) extras.
+
+    q: (B, 1, N, d) pre-scaled, k: (B, S, N_kv, d), v: (B, S, N_kv, d_v) float32;
+    mask: the block mask of the one query, (B|1, 1, S) or (B|1, N, 1, S), or None.
+    Returns o (B, 1, N, d_v). The same math as ``_attend_block`` with a few,
+    layout-free ops: the scores, composes and P.V are einsums on the (B, G, M, S)
+    view (no explicit transposed copies of the cache; no (S, G, M, M) key factor).
+    """
+    B, _, N, d = ops.shape(q)
+    S, N_kv, d_v = ops.shape(k)[1], k.shape[2], v.shape[-1]
+    G, rep = num_groups, N // N_kv
+    M = N // G
+    qh = ops.reshape(q, (B, N_kv, rep, d))
+    x = ops.reshape(ops.einsum("bhrd,bshd->bhrs", qh, k), (B, G, M, S))
+    if pre:
+        x = _decode_compose(x, pre, M)
+    if mask is not None:
+        # (B|1, 1, S|1) -> (B|1, 1, 1, S|1); per head (B|1, N, 1, S|1) -> (B|1, G, M, S|1)
+        m = mask if len(mask.shape) == 4 else mask[:, None]
+        if m.shape[1] != 1:
+            m = ops.reshape(m, (ops.shape(m)[0], G, M, ops.shape(m)[-1]))
+        x = ops.where(m, x, _MASKED)
+    # (_shape: a traced size is unknown, so an exporter's trace at S=1 keeps the softmax.)
+    p = ops.ones_like(x) if _shape(x)[-1] == 1 else ops.softmax(x, axis=-1)
+    if post:
+        p = _decode_compose(p, post, M)
+    o = ops.einsum("bhrs,bshv->bhrv", ops.reshape(p, (B, N_kv, rep, S)), v)
+    o = ops.reshape(o, (B, 1, N, d_v))
+    if mask is not None and rows_may_be_empty:
+        o = o * _visible_rows(mask)[..., None]                       # (B|1, 1, 1|N, 1)
+    return o
+
+
 def _on_cpu():
     """Whether the backend computes on the CPU (no accelerator visible)."""
     backend = keras.backend.backend()
@@ -540,6 +607,12 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
     # Causal attention with a static offset >= 0 always sees key 0: no empty row.
     rows_may_be_empty = not (mask is None and sliding_window is None and use_causal_mask
                              and isinstance(query_offset, int) and query_offset >= 0)
+    if isinstance(T, int) and T == 1 and not wanted and not (training and dropout_rate > 0.0):
+        # One query (a decoding step): a short path without the block machinery.
+        one_mask = block_mask(mask, 0, 1, 0, S, use_causal_mask=use_causal_mask,
+                              sliding_window=sliding_window, query_offset=query_offset)
+        return _attention_one_query(q, k, v, one_mask, pre, post, num_groups=G,
+                                    rows_may_be_empty=rows_may_be_empty), {}
     if (len(q_bounds) > MAX_UNROLLED_CHUNKS and not wanted
             and not (training and dropout_rate > 0.0)
             and keras.backend.backend() in _LOOPED_BACKENDS):

@@ -1,0 +1,178 @@
+"""The one-query (decoding step) path of the "ops" core against the NumPy spec (issue 15).
+
+A call with T = 1 and no (B, N, T, S) extras runs ``dcmha.ops._attention_one_query``:
+composes on the (B, G, M, S) view, key-side terms applied in low-rank form from the
+(B, S, G, R, M) weights. It is checked against ``dcmha.spec.reference`` (the functional core
+and the layer's cached steps, with an int and a tensor index), against the block path for
+per-head masks (which the reference does not take), and spied on so that the tests fail if
+the path is not the one that runs. Tolerances as in test_layer_numerics.py.
+"""
+
+import numpy as np
+import pytest
+
+import keras
+from keras import ops
+
+from dcmha import ops as dops
+from dcmha.layers import DCMHA
+from dcmha.spec import reference
+
+from test_layer_numerics import assert_close, np_
+
+BACKEND = keras.backend.backend()
+
+
+@pytest.fixture
+def one_query_calls(monkeypatch):
+    """The number of calls of the one-query path (a list to read after the calls)."""
+    calls = []
+    inner = dops._attention_one_query
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(dops, "_attention_one_query", spy)
+    return calls
+
+
+CONFIGS = {
+    "dcmha": dict(num_heads=4, key_dim=8),
+    "gqa_groups_static_window": dict(num_heads=4, key_dim=8, num_key_value_heads=2,
+                                     num_groups=2, static_compose=True, value_dim=6,
+                                     sliding_window=3),
+    "key_wise_only_rank1": dict(num_heads=4, key_dim=8, query_wise=False, rank=1),
+    "query_wise_only_gating": dict(num_heads=4, key_dim=8, key_wise=False,
+                                   dynamic_projection=False),
+    "mqa_pre_only": dict(num_heads=4, key_dim=8, num_key_value_heads=1, num_groups=4,
+                         post_compose=False),
+    "off": dict(num_heads=4, key_dim=8, pre_compose=False, post_compose=False),
+}
+
+
+def _core_case(reference_case, kwargs, t, S=7):
+    """Reference inputs of the core for the query at position t against S keys."""
+    case = reference_case(kwargs, T=S)
+    cfg, p, x = case["cfg"], case["params"], case["query"]
+    pos = np.arange(S)
+    q, k, v = reference.project_qkv(p, cfg, x, x, x, pos, pos)
+    qdyn, kdyn = reference.dynamic_weights_both_sides(p, cfg, x, x)
+    qdyn1 = {s: {n: w[:, t:t + 1] for n, w in ws.items()} for s, ws in qdyn.items()}
+    terms = {st: reference.compose_terms(cfg, st, qdyn1, kdyn, p)
+             for st in ("pre", "post") if getattr(cfg, st + "_compose")}
+    f32 = lambda a: np.asarray(a, np.float32)                             # noqa: E731
+    terms = {st: {n: f32(w) for n, w in tm.items()} for st, tm in terms.items()}
+    return cfg, p, q[:, t:t + 1], k, v, qdyn1, kdyn, terms, f32
+
+
+@pytest.mark.parametrize("name, tensor_offset", [(n, False) for n in sorted(CONFIGS)] + [
+    ("dcmha", True), ("gqa_groups_static_window", True)])
+def test_one_query_core_matches_reference(reference_case, one_query_calls, name,
+                                          tensor_offset):
+    t, S = 4, 7
+    cfg, p, q, k, v, qdyn, kdyn, terms, f32 = _core_case(reference_case, CONFIGS[name], t, S)
+    mask = reference.make_mask(q.shape[0], 1, S, use_causal_mask=True,
+                               sliding_window=cfg.sliding_window, query_offset=t)
+    o_ref, _ = reference.attend(cfg, p, q, k, v, qdyn, kdyn, mask)
+    offset = ops.convert_to_tensor(np.int32(t)) if tensor_offset else t
+    o = dops.dcmha_attention(f32(q), f32(k), f32(v), num_groups=cfg.G, pre=terms.get("pre"),
+                             post=terms.get("post"), use_causal_mask=True,
+                             sliding_window=cfg.sliding_window, query_offset=offset,
+                             implementation="ops")
+    assert_close(o, o_ref)
+    assert len(one_query_calls) == 1
+
+
+def test_one_query_core_masks(reference_case, one_query_calls):
+    """A padding mask with a fully masked row (zeros, never NaN), and a per-head mask
+    (checked against the block path, which ``return_attention_scores`` selects)."""
+    t, S = 5, 7
+    kwargs = dict(num_heads=4, key_dim=8, num_groups=2, static_compose=True)
+    cfg, p, q, k, v, qdyn, kdyn, terms, f32 = _core_case(reference_case, kwargs, t, S)
+    B = q.shape[0]
+    pad = np.ones((B, 1, S), bool)
+    pad[0, 0, [1, 3]] = False
+    pad[1] = False                                        # batch row 1 sees no key
+    mask = reference.make_mask(B, 1, S, attention_mask=pad, use_causal_mask=True,
+                               query_offset=t)
+    o_ref, _ = reference.attend(cfg, p, q, k, v, qdyn, kdyn, mask)
+    args = (f32(q), f32(k), f32(v))
+    kw = dict(num_groups=cfg.G, pre=terms["pre"], post=terms["post"], use_causal_mask=True,
+              query_offset=t, implementation="ops")
+    o = dops.dcmha_attention(*args, attention_mask=pad, **kw)
+    assert_close(o, o_ref)
+    np.testing.assert_array_equal(np_(o)[1], 0.0)
+
+    heads = np.random.default_rng(3).random((B, 4, 1, S)) < 0.6
+    heads[:, 2] = False                                   # head 2 sees no key
+    o = dops.dcmha_attention(*args, attention_mask=heads, **kw)
+    assert len(one_query_calls) == 2
+    o_blocks, _ = dops.dcmha_attention(*args, attention_mask=heads, return_attention_scores=True,
+                                       **kw)
+    assert len(one_query_calls) == 2                       # the scores need the block path
+    assert_close(o, o_blocks)
+    np.testing.assert_array_equal(np_(o)[:, 0, 2], 0.0)
+
+    # A per-head mask broadcast over the keys (no causal mask: it stays (B, N, 1, 1)).
+    kw["use_causal_mask"] = False
+    per_head = np.ones((B, 4, 1, 1), bool)
+    per_head[0, 1] = False
+    o = dops.dcmha_attention(*args, attention_mask=per_head, **kw)
+    o_blocks, _ = dops.dcmha_attention(*args, attention_mask=per_head,
+                                       return_attention_scores=True, **kw)
+    assert len(one_query_calls) == 3
+    assert_close(o, o_blocks)
+    np.testing.assert_array_equal(np_(o)[0, 0, 1], 0.0)
+
+
+@pytest.mark.parametrize("name", ["gqa_groups_static_window", "key_wise_only_rank1"])
+def test_layer_steps_match_reference(reference_case, one_query_calls, call_layer, name):
+    """Prefill 3 tokens, then one-token steps with an int and a tensor index: outputs and
+    cache as the spec's decode_step (eager calls read a tensor index and use it as an int;
+    under jax the call is jitted, the tensor index traced)."""
+    kwargs = dict(CONFIGS[name], rope_max_wavelength=100.0, qk_norm=True)
+    case = reference_case(kwargs, T=6)
+    cfg, x = case["cfg"], case["query"]
+    layer = DCMHA(**kwargs)
+    layer.load_spec_weights(case["params"])
+    cache, ref_cache = layer.init_cache(2, 8), reference.init_cache(cfg, 2, 8)
+    for i, (start, n) in enumerate(((0, 3), (3, 1), (4, 1), (5, 1))):
+        step = x[:, start:start + n]
+        index = ops.convert_to_tensor(np.int32(start)) if i % 2 else start
+        y, cache = call_layer(layer, step, step, use_causal_mask=True, cache=cache,
+                              cache_update_index=index)
+        y_ref, ref_cache = reference.decode_step(case["params"], cfg, step, ref_cache, start)
+        assert_close(y, y_ref)
+    for n, c in ref_cache.items():
+        assert_close(cache[n], c)
+    # Three one-token steps; under jax the two with a tensor index share one trace.
+    assert len(one_query_calls) == (2 if BACKEND == "jax" else 3)
+
+
+def test_traced_layer_step_matches_reference(reference_case, one_query_calls):
+    """One step compiled as generate compiles it (jax.jit / tf.function; torch eager),
+    with the index a tensor: the one-query path runs inside the trace."""
+    kwargs = dict(num_heads=4, key_dim=8, rope_max_wavelength=100.0)
+    case = reference_case(kwargs, T=5)
+    cfg, x = case["cfg"], case["query"]
+    layer = DCMHA(**kwargs)
+    layer.load_spec_weights(case["params"])
+    _, cache = layer(x[:, :4], x[:, :4], use_causal_mask=True, cache=layer.init_cache(2, 6),
+                     cache_update_index=0)
+    _, ref_cache = reference.decode_step(case["params"], cfg, x[:, :4],
+                                         reference.init_cache(cfg, 2, 6), 0)
+
+    def step(tok, cache, index):
+        return layer(tok, tok, use_causal_mask=True, cache=cache, cache_update_index=index)
+
+    if BACKEND == "jax":
+        import jax
+        step = jax.jit(step)
+    elif BACKEND == "tensorflow":
+        import tensorflow as tf
+        step = tf.function(step, autograph=False)
+    y, _ = step(ops.convert_to_tensor(x[:, 4:]), cache, ops.convert_to_tensor(np.int32(4)))
+    y_ref, _ = reference.decode_step(case["params"], cfg, x[:, 4:], ref_cache, 4)
+    assert_close(y, y_ref)
+    assert len(one_query_calls) == 1
