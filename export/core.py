@@ -10,6 +10,13 @@ node and fuse it, any other runtime inlines its plain-op body. The body follows
     set to 0 (all in float32, whatever the dtype, as in the Keras layer) ->
     P.V -> output projection.
 
+Written for onnxruntime's CPU provider (benchmarks/ONNX_NOTES.md): one MatMul
+for every projection of a self-attention input; compose as one batched MatMul
+per side with its factors made once per call; masks as an added bias and a 0/1
+multiplier. A causal or windowed call without (B, N, T, S) outputs runs its
+queries in chunks (an ONNX Loop, SPEC.md "Query chunking"), each on the keys it
+can see; a decode step reads only the cache positions written so far.
+
 Function signatures (the function's canonical weights come last, in the order
 of ``reference.param_shapes``):
 
@@ -40,6 +47,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from dcmha.spec import reference as ref
+from dcmha.spec import terms as spec_terms
 
 DOMAIN = "dcmha"
 FUNCTION_NAME = "DCMHA"
@@ -47,9 +55,13 @@ MIN_OPSET = 18
 DEFAULT_OPSET = 18
 DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
-#: Fill value of masked scores before the float32 softmax: finite, so a fully
-#: masked row gives a finite (uniform) softmax that the final mask zeroes.
-MASK_FILL = float(np.finfo(np.float32).min)
+#: Added to masked scores before the float32 softmax (``spec.terms.MASKED_SCORE``):
+#: finite, so a fully masked row gives a finite (uniform) softmax that the final
+#: mask zeroes, and far below any real score, so it absorbs the score.
+MASKED_SCORE = float(spec_terms.MASKED_SCORE)
+#: Queries per chunk of the chunked attention (``attend_chunks``) unless the
+#: configuration sets ``query_chunk_size``.
+CHUNK = 64
 
 Dim = Union[int, str, None]
 
@@ -265,12 +277,63 @@ class _Body:
             y = e.op("Add", y, e.reshape(bias, H * hd))
         return e.reshape(y, 0, 0, H, hd)                                     # (B, L, H, hd)
 
-    def dynamic(self, x, D, prefix, names, pick=None):
+    def fused_projections(self, x):
+        """Every projection of the single input x (B, L, D) of a self-attention call as one
+        MatMul (onnxruntime folds the concatenated kernel at load): q and k as one
+        (B, L, N + N_kv, d) tensor after QK-norm and RoPE (one pass for both), v
+        (B, L, N_kv, d_v), and x's products with dw1 / dd for ``dynamic``.
+
+        Returns (q, k, v, positions (L,), {"dw1", "dd"}).
+        """
+        e, cfg, w = self.e, self.cfg, self.w
+        N, N_kv, d, d_v, G, M, K = cfg.N, cfg.N_kv, cfg.d, cfg.d_v, cfg.G, cfg.M, cfg.K
+        C, D = len(ref.slots(cfg)), self.D_q
+        parts = [("qk", [("query", N * d), ("key", N_kv * d)]), ("v", [("value", N_kv * d_v)])]
+        if C and cfg.dynamic_projection:
+            parts.append(("dw1", [("dw1", G * C * K)]))
+        if C and cfg.dynamic_gating:
+            parts.append(("dd", [("dd", G * C * M)]))
+        kernels, biases, sizes = [], [], []
+        for _, members in parts:
+            for name, width in members:
+                kernels.append(e.reshape(w[name if name in ("dw1", "dd") else name + "_kernel"],
+                                         D, width))
+                if cfg.use_bias:
+                    biases.append(e.reshape(w[name + "_bias"], width) if name + "_bias" in w
+                                  else self.c(np.zeros(width)))
+            sizes.append(sum(width for _, width in members))
+        y = e.op("MatMul", x, e.op("Concat", *kernels, axis=1))
+        if biases:
+            y = e.op("Add", y, e.op("Concat", *biases, axis=0))
+        outs = dict(zip([n for n, _ in parts], e.op("Split", y, e.i64(*sizes), axis=-1,
+                                                   outputs=len(parts))
+                        if len(parts) > 1 else [y]))
+        qk = e.reshape(outs["qk"], 0, 0, N + N_kv, d)
+        if cfg.qk_norm:
+            scale = e.op("Concat", *[e.op("Expand", e.op("Unsqueeze", w[n], e.i64(0)), e.i64(H, d))
+                                     for n, H in (("query_norm_scale", N), ("key_norm_scale", N_kv))],
+                         axis=0)                                             # (N + N_kv, d)
+            qk = e.op("Mul", self.rms(qk, ref.QK_NORM_EPS), scale)
+        T = e.scalar_dim(x, 1)
+        one = e.const(1, TensorProto.INT64)
+        if self.call.decode:
+            positions = e.op("Range", "cache_update_index", e.op("Add", "cache_update_index", T), one)
+        else:
+            positions = e.op("Range", e.const(0, TensorProto.INT64), T, one)
+        if cfg.rope_max_wavelength is not None:
+            qk = self.rope(qk, positions)
+        q, k = e.op("Split", qk, e.i64(N, N_kv), axis=2, outputs=2)
+        return q, k, e.reshape(outs["v"], 0, 0, N_kv, d_v), positions, outs
+
+    def dynamic(self, x, D, prefix, names, pick=None, pre=None):
         """Dynamic weights of slots ``names`` from x (B, L, D): {slot: {"w1","w2","dd"}}.
 
         ``pick`` selects (by index) a subset of the projection's C slots, for a
         self-attention layer whose query and key inputs are different tensors.
+        ``pre`` holds x's products with the dw1 / dd kernels where the caller made
+        them (``fused_projections``).
         """
+        pre = pre or {}
         e, cfg = self.e, self.cfg
         G, M, R, K = cfg.G, cfg.M, cfg.R, cfg.K
         C = len(names) if pick is None else len(ref.slots(cfg))
@@ -284,9 +347,15 @@ class _Body:
             if sel is not None:
                 dw1 = e.op("Gather", dw1, sel, axis=2)
                 qkw = e.op("Gather", qkw, sel, axis=1)
-            h = self.gelu(e.op("MatMul", x, e.reshape(dw1, D, G * Cs * K)))  # (B, L, G*C*K)
-            h = e.reshape(h, 0, 0, G, Cs, 1, K)
-            w = e.op("MatMul", h, e.reshape(qkw, G, Cs, K, 2 * R * M))      # (B, L, G, C, 1, 2RM)
+            h = pre.get("dw1") or e.op("MatMul", x, e.reshape(dw1, D, G * Cs * K))
+            h = self.gelu(h)                                                 # (B, L, G*C*K)
+            # the G*C (K, 2RM) maps as one block-diagonal (G*C*K, G*C*2RM) MatMul: one GEMM
+            # instead of B*L*G*C tiny ones (onnxruntime folds the block matrix at load)
+            # (made in float32: onnxruntime has no float16 Mul kernel to fold it with)
+            F = TensorProto.FLOAT
+            blocks = e.op("Mul", e.cast(e.reshape(qkw, G, Cs, K, 1, 1, 2 * R * M), self.ft, F),
+                          self.c(np.eye(G * Cs).reshape(G, Cs, 1, G, Cs, 1), F))
+            w = e.op("MatMul", h, e.cast(e.reshape(blocks, G * Cs * K, G * Cs * 2 * R * M), F, self.ft))
             w = e.reshape(w, 0, 0, G, Cs, 2 * R, M)
             w1 = self.rms(e.op("Slice", w, e.i64(0), e.i64(R), e.i64(4)), ref.W1_NORM_EPS)
             w2 = e.op("Slice", w, e.i64(R), e.i64(2 * R), e.i64(4))
@@ -297,7 +366,7 @@ class _Body:
             dd = self.w[prefix + "dd"]
             if sel is not None:
                 dd = e.reshape(e.op("Gather", e.reshape(dd, D, G, C, M), sel, axis=2), D, G * Cs * M)
-            g = e.op("Tanh", e.op("MatMul", x, e.reshape(dd, D, G * Cs * M)))
+            g = e.op("Tanh", pre.get("dd") or e.op("MatMul", x, e.reshape(dd, D, G * Cs * M)))
             g = e.reshape(g, 0, 0, G, Cs, M)
             for c, s in enumerate(names):
                 out[s]["dd"] = e.op("Gather", g, e.const(c, TensorProto.INT64), axis=3)
@@ -344,59 +413,102 @@ class _Body:
             W = st if W is None else e.op("Add", W, st)
         return W
 
-    def compose(self, x, stage, qdyn, kdyn, shapes):
-        """Compose x (B, G, T, M, S), float32, within each group (see reference.compose).
+    def _key_side_low_rank(self, x, k):
+        """The key-side terms applied to x (B, G, T, M, S) as they are (low rank + diagonal):
+
+            out[t, n, s] = sum_r kw2[s, r, n] sum_m kw1[s, r, m] x[t, m, s] + kdd[s, n] x[t, n, s]
+
+        by broadcasting along s, the last axis. A decode step has few queries, and the
+        (S, M, M) matrices of the merged form would cost more than the step's scores.
+        """
+        e, F = self.e, TensorProto.FLOAT
+        out = None
+        if "w1" in k:
+            def key_major(w):   # (B, S, G, R, M) -> (B, G, 1, R, M, S)
+                return e.op("Unsqueeze", e.op("Transpose", e.cast(w, self.ft, F), perm=[0, 2, 3, 4, 1]),
+                            e.i64(2))
+            h = e.op("ReduceSum", e.op("Mul", e.op("Unsqueeze", x, e.i64(3)), key_major(k["w1"])),
+                     e.i64(4), keepdims=1)                                    # (B, G, T, R, 1, S)
+            out = e.op("ReduceSum", e.op("Mul", h, key_major(k["w2"])), e.i64(3), keepdims=0)
+        if "dd" in k:       # (B, S, G, M) -> (B, G, 1, M, S)
+            dd = e.op("Unsqueeze", e.op("Transpose", e.cast(k["dd"], self.ft, F), perm=[0, 2, 3, 1]),
+                      e.i64(2))
+            diag = e.op("Mul", x, dd)
+            out = diag if out is None else e.op("Add", out, diag)
+        return out
+
+    def factors(self, qdyn, kdyn):
+        """The two factors of each enabled compose stage, made once for every position:
+        ({stage: (Wq (B, G, T, M, M), position axis)}, {stage: (Wk, position axis)}).
+
+        Wq = I + static + query terms, transposed for Wq @ x (position axis None when
+        only the static term is on: (G, 1, M, M)); Wk = the key terms (B, G, S, M, M), or,
+        for a decode step, the key-side weights themselves ({"w1", "w2", "dd"}, axis 1)
+        for ``_key_side_low_rank``. The chunks of ``attend_chunks`` slice them.
+        """
+        cfg = self.cfg
+        qf, kf = {}, {}
+        for stage in [s for s, on in (("pre", cfg.pre_compose), ("post", cfg.post_compose)) if on]:
+            q = qdyn.get(stage + "_query", {})
+            k = kdyn.get(stage + "_key", {})
+            static = self.w["static_" + stage] if cfg.static_compose else None
+            if q or static is not None:
+                qf[stage] = (self._merged(q.get("w1"), q.get("w2"), q.get("dd"), static, True, True),
+                             2 if q else None)
+            if k:
+                kf[stage] = (k, 1) if self.call.decode else (
+                    self._merged(k.get("w1"), k.get("w2"), k.get("dd"), None, False, False), 2)
+        return qf, kf
+
+    def compose(self, x, stage, qf, kf, shapes, plus=None):
+        """Compose x (B, G, T, M, S), float32, within each group (see reference.compose),
+        with the stage's factors from ``factors``; ``plus`` (broadcastable) is added to
+        the result in the same pass.
 
         shapes: int64 shape tensors "gtms" (B, G, T, M, S), "g_tm_s" (B, G, T*M, S),
         "g_s_tm" (B, G, S, T*M), "gstm" (B, G, S, T, M).
         """
-        e, cfg = self.e, self.cfg
-        q = qdyn.get(stage + "_query", {})
-        k = kdyn.get(stage + "_key", {})
-        static = self.w["static_" + stage] if cfg.static_compose else None
-        if q or static is not None:
-            Wq_t = self._merged(q.get("w1"), q.get("w2"), q.get("dd"), static, True, True)
-            out = e.op("MatMul", Wq_t, x)
-        else:   # the residual alone
-            out = x
-        Wk = self._merged(k.get("w1"), k.get("w2"), k.get("dd"), None, False, False)
-        if Wk is not None:
+        e = self.e
+        terms = [e.op("MatMul", qf[stage][0], x) if stage in qf else x]   # else the residual alone
+        Wk = kf[stage][0] if stage in kf else None
+        if isinstance(Wk, dict):
+            terms.append(self._key_side_low_rank(x, Wk))
+        elif Wk is not None:
             xs = e.op("Transpose", e.op("Reshape", x, shapes["g_tm_s"]), perm=[0, 1, 3, 2])
             ks = e.op("MatMul", e.op("Reshape", xs, shapes["gstm"]), Wk)       # (B, G, S, T, M)
             ks = e.op("Transpose", e.op("Reshape", ks, shapes["g_s_tm"]), perm=[0, 1, 3, 2])
-            out = e.op("Add", out, e.op("Reshape", ks, shapes["gtms"]))
-        return out
+            terms.append(e.op("Reshape", ks, shapes["gtms"]))
+        if plus is not None:
+            terms.append(plus)
+        return terms[0] if len(terms) == 1 else e.op("Sum", *terms)
 
     # -- the call ----------------------------------------------------------
     def build(self) -> Dict[str, str]:
         """Every value the function may output, by name (see function_outputs)."""
         e, cfg, call, ft = self.e, self.cfg, self.call, self.ft
-        F = TensorProto.FLOAT
-        N, N_kv, d, d_v, G, M = cfg.N, cfg.N_kv, cfg.d, cfg.d_v, cfg.G, cfg.M
+        N, N_kv, d, d_v = cfg.N, cfg.N_kv, cfg.d, cfg.d_v
         w = self.w
         query = "query"
         key = value = query
         if not call.self_attention and not call.decode:
             key, value = "key", "value"
-        q = self.project(query, w["query_kernel"], w.get("query_bias"), self.D_q, N, d)
-        k = self.project(key, w["key_kernel"], w.get("key_bias"), self.D_kv, N_kv, d)
-        v = self.project(value, w["value_kernel"], w.get("value_bias"), self.D_kv, N_kv, d_v)
-        if cfg.qk_norm:
-            q = e.op("Mul", self.rms(q, ref.QK_NORM_EPS), w["query_norm_scale"])
-            k = e.op("Mul", self.rms(k, ref.QK_NORM_EPS), w["key_norm_scale"])
         T = e.scalar_dim(query, 1)
         one = e.const(1, TensorProto.INT64)
-        if call.decode:
-            index = "cache_update_index"
-            q_pos = e.op("Range", index, e.op("Add", index, T), one)
-            k_pos = q_pos
+        zero = e.const(0, TensorProto.INT64)
+        pre = None
+        if key == query:
+            q, k, v, q_pos, pre = self.fused_projections(query)
         else:
-            q_pos = e.op("Range", e.const(0, TensorProto.INT64), T, one)
-            k_pos = q_pos if key == query else e.op(
-                "Range", e.const(0, TensorProto.INT64), e.scalar_dim(key, 1), one)
-        if cfg.rope_max_wavelength is not None:
-            q = self.rope(q, q_pos)
-            k = self.rope(k, k_pos)
+            q = self.project(query, w["query_kernel"], w.get("query_bias"), self.D_q, N, d)
+            k = self.project(key, w["key_kernel"], w.get("key_bias"), self.D_kv, N_kv, d)
+            v = self.project(value, w["value_kernel"], w.get("value_bias"), self.D_kv, N_kv, d_v)
+            if cfg.qk_norm:
+                q = e.op("Mul", self.rms(q, ref.QK_NORM_EPS), w["query_norm_scale"])
+                k = e.op("Mul", self.rms(k, ref.QK_NORM_EPS), w["key_norm_scale"])
+            q_pos = e.op("Range", zero, T, one)
+            if cfg.rope_max_wavelength is not None:
+                q = self.rope(q, q_pos)
+                k = self.rope(k, e.op("Range", zero, e.scalar_dim(key, 1), one))
 
         # dynamic composition weights
         qs, ks, all_slots = ref.side_slots(cfg, "query"), ref.side_slots(cfg, "key"), ref.slots(cfg)
@@ -404,7 +516,7 @@ class _Body:
             qdyn = self.dynamic(query, self.D_q, "query_", qs)
             kdyn = self.dynamic(key, self.D_kv, "key_", ks)
         elif key == query:
-            both = self.dynamic(query, self.D_q, "", all_slots)
+            both = self.dynamic(query, self.D_q, "", all_slots, pre=pre)
             qdyn = {s: both[s] for s in qs}
             kdyn = {s: both[s] for s in ks}
         else:
@@ -413,43 +525,175 @@ class _Body:
 
         outputs: Dict[str, str] = {}
         if call.decode:
-            # write the new positions into the cache: past[:, :i] ++ new ++ past[:, i+T:]
-            start = e.op("Unsqueeze", "cache_update_index", e.i64(0))
-            stop = e.op("Add", start, e.op("Unsqueeze", T, e.i64(0)))
-            big = e.i64(np.iinfo(np.int64).max)
+            # write the new positions i..i+T-1 into each cache: one ScatterND per entry at
+            # the (B, T, 2) indices [b, i + t]
+            BT = e.op("Concat", e.dims(query, 0, 1), e.op("Unsqueeze", T, e.i64(0)), axis=0)
+            rows_b = e.op("Range", zero, e.scalar_dim(query, 0), one)
+            at = e.op("Concat", e.op("Unsqueeze", e.op("Expand", e.op("Unsqueeze", rows_b, e.i64(1)), BT),
+                                     e.i64(2)),
+                      e.op("Unsqueeze", e.op("Expand", e.op("Unsqueeze", q_pos, e.i64(0)), BT), e.i64(2)),
+                      axis=2)
 
             def write(name, new):
-                past = "past_" + name
-                head = e.op("Slice", past, e.i64(0), start, e.i64(1))
-                tail = e.op("Slice", past, stop, big, e.i64(1))
-                outputs["present_" + name] = e.op("Concat", head, new, tail, axis=1)
+                outputs["present_" + name] = e.op("ScatterND", "past_" + name, at, new)
                 return outputs["present_" + name]
 
             k = write("key", k)
             v = write("value", v)
             kdyn = {s: {n: write(f"{s}_{n}", t) for n, t in ws.items()} for s, ws in kdyn.items()}
-        S_len = e.scalar_dim(k, 1)
+
+        qf, kf = self.factors(qdyn, kdyn)
+        rows = (q, qf, q_pos, "attention_mask" if call.attention_mask else None)
+        # the MatMul layouts of k and v: made once for every chunk, but in a decode step
+        # only for the keys written so far (``_block``)
+        cols = (k, v, kf) if call.decode else self.kv_layouts(k, v) + (kf,)
+        if call.return_attention_scores or call.intermediates:
+            # the (B, N, T, S) outputs cover every key: one block, nothing skipped
+            if call.decode:
+                cols = self.kv_layouts(k, v) + (kf,)
+            o, full = self.attend(rows, cols, zero, e.scalar_dim(k, 1))
+            outputs.update(full)
+        else:
+            o = self.attend_chunks(rows, cols, T, e.scalar_dim(k, 1),
+                                   "cache_update_index" if call.decode else zero)
+        y = e.op("MatMul", o, e.reshape(w["output_kernel"], N * d_v, self.D_out))
+        if cfg.use_bias:
+            y = e.op("Add", y, w["output_bias"])
+        outputs["output"] = y
+        for side in (qdyn, kdyn):
+            for slot, ws in side.items():
+                outputs.update({f"dynamic/{slot}/{n}": t for n, t in ws.items()})
+        return outputs
+
+    # -- query chunks ------------------------------------------------------
+    def attend_chunks(self, rows, cols, T, S, offset):
+        """attend() over chunks of CHUNK queries, each on the keys it can see (B, T, N*d_v).
+
+        An ONNX Loop over ceil(T / CHUNK) chunks (SPEC.md, "Query chunking"): a
+        causal or windowed chunk reads only its visible key range (terms.key_range),
+        so the big (B, N, t, s) tensors shrink to the visible block (about half the
+        work at T = S) and stay in the CPU cache. Keys outside that range are masked
+        for every query of the chunk: their probabilities are exactly 0 and compose
+        mixes heads at one (t, s) only, so the result is that of the full block.
+        A decode step is one block (no Loop: its few new tokens would pay the
+        Loop's overhead for nothing) on the keys written so far.
+        """
+        e, cfg, call = self.e, self.cfg, self.call
+        I64 = TensorProto.INT64
+        if not (call.use_causal_mask or call.decode) and cfg.sliding_window is None:
+            o, _ = self.attend(rows, cols, e.const(0, I64), S)   # every query sees every key
+            return o
+        if call.decode:
+            return self._block(rows, cols, e.const(0, I64), T, S, offset)
+        chunk = cfg.query_chunk_size or CHUNK
+        c = e.const(chunk, I64)
+        trips = e.op("Div", e.op("Add", T, e.const(chunk - 1, I64)), c)
+        B = e.dims(rows[0], 0, 1)
+        acc0 = e.op("ConstantOfShape", e.op("Concat", B, e.i64(0, cfg.N * cfg.d_v), axis=0),
+                    value=numpy_helper.from_array(np.zeros(1, helper.tensor_dtype_to_np_dtype(self.ft))))
+        outer = self.e
+        self.e = body = Emitter(prefix="chunk_")
+        i, cond, acc = "chunk_i", "chunk_cond", "chunk_acc"
+        t0 = body.op("Mul", i, c)
+        o = self._block(rows, cols, t0, body.op("Min", body.op("Add", t0, c), T), S, offset)
+        nodes = body.nodes + [
+            helper.make_node("Identity", [cond], ["chunk_cond_out"], name="chunk_cond_id"),
+            helper.make_node("Concat", [acc, o], ["chunk_acc_out"], name="chunk_acc_cat", axis=1)]
+        graph = helper.make_graph(
+            nodes, "query_chunk",
+            [helper.make_tensor_value_info(i, I64, []),
+             helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
+             helper.make_tensor_value_info(acc, self.ft, None)],
+            [helper.make_tensor_value_info("chunk_cond_out", TensorProto.BOOL, []),
+             helper.make_tensor_value_info("chunk_acc_out", self.ft, None)])
+        self.e = outer
+        return outer.op("Loop", trips, "", acc0, body=graph)
+
+    def kv_layouts(self, k, v):
+        """(k (B, N_kv, d, S) float32, v (B, N_kv, S, d_v)) from k, v (B, S, N_kv, ...)."""
+        e = self.e
+        return (e.cast(e.op("Transpose", k, perm=[0, 2, 3, 1]), self.ft, TensorProto.FLOAT),
+                e.op("Transpose", v, perm=[0, 2, 1, 3]))
+
+    def _block(self, rows, cols, t0, t1, S, offset):
+        """attend() of the queries [t0, t1) to the keys they can see (terms.key_range): the
+        queries sit at absolute positions offset + t; S is the number of keys."""
+        e, cfg, call = self.e, self.cfg, self.call
+        I64 = TensorProto.INT64
+        causal, window = call.use_causal_mask or call.decode, cfg.sliding_window
+        s0, s1 = e.const(0, I64), S
+        if causal:
+            s1 = e.op("Min", S, e.op("Add", t1, offset))
+        if window is not None:
+            w = e.const(window, I64)
+            s0 = e.op("Max", s0, e.op("Add", e.op("Sub", e.op("Add", t0, offset), w), e.const(1, I64)))
+            if not causal:
+                s1 = e.op("Min", S, e.op("Sub", e.op("Add", e.op("Add", t1, offset), w), e.const(1, I64)))
+            # queries past the last key + window see none: keep one (masked) key, never
+            # an empty block
+            s0 = e.op("Min", s0, e.op("Sub", s1, e.const(1, I64)))
+        tt = (e.op("Unsqueeze", t0, e.i64(0)), e.op("Unsqueeze", t1, e.i64(0)))
+        ss = (e.op("Unsqueeze", s0, e.i64(0)), e.op("Unsqueeze", s1, e.i64(0)))
+
+        def cut(x, lo_hi, axis):
+            return e.op("Slice", x, lo_hi[0], lo_hi[1], e.i64(axis))
+
+        def cut_factors(factors, lo_hi):
+            out = {}
+            for stage, (t, axis) in factors.items():
+                if axis is not None:
+                    t = ({n: cut(x, lo_hi, axis) for n, x in t.items()} if isinstance(t, dict)
+                         else cut(t, lo_hi, axis))
+                out[stage] = (t, axis)
+            return out
+
+        q, qf, q_pos, mask = rows
+        k, v, kf = cols
+        rows = (cut(q, tt, 1), cut_factors(qf, tt), cut(q_pos, tt, 0),
+                None if mask is None else cut(cut(mask, tt, 1), ss, 2))
+        if call.decode:
+            cols = self.kv_layouts(cut(k, ss, 1), cut(v, ss, 1)) + (cut_factors(kf, ss),)
+        else:
+            cols = (cut(k, ss, 3), cut(v, ss, 2), cut_factors(kf, ss))
+        o, _ = self.attend(rows, cols, s0, e.op("Sub", s1, s0))
+        return o
+
+    def attend(self, rows, cols, s0, S):
+        """Attention of the queries ``rows`` to the keys ``cols`` at positions s0 + [0, S).
+
+        rows: (q (B, T, N, d), the query factors (``factors``), absolute query positions
+        (T,), attention_mask (B, T, S) or None); cols: (k (B, N_kv, d, S) float32,
+        v (B, N_kv, S, d_v), the key factors).
+        Returns (o (B, T, N*d_v), {"scores", "pre_composed", "probs", "attention_scores"}).
+        """
+        e, cfg, call, ft = self.e, self.cfg, self.call, self.ft
+        F, I64 = TensorProto.FLOAT, TensorProto.INT64
+        N, N_kv, d, d_v, G, M = cfg.N, cfg.N_kv, cfg.d, cfg.d_v, cfg.G, cfg.M
+        q, qf, q_pos, mask = rows
+        k, v, kf = cols
+        outputs: Dict[str, str] = {}
 
         # mask (T, S) or (B, T, S), True = attend; None when nothing is masked
-        mask = None
         causal = call.use_causal_mask or call.decode
+        geometric = None
         if causal or cfg.sliding_window is not None:
             t = e.op("Unsqueeze", q_pos, e.i64(1))                                   # (T, 1)
-            s = e.op("Unsqueeze", e.op("Range", e.const(0, TensorProto.INT64), S_len, one), e.i64(0))
+            s = e.op("Unsqueeze", e.op("Range", s0, e.op("Add", s0, S), e.const(1, I64)),
+                     e.i64(0))                                                       # (1, S)
             if causal:
-                mask = e.op("LessOrEqual", s, t)
+                geometric = e.op("LessOrEqual", s, t)
             if cfg.sliding_window is not None:
-                band = e.op("Less", e.op("Abs", e.op("Sub", t, s)),
-                            e.const(cfg.sliding_window, TensorProto.INT64))
-                mask = band if mask is None else e.op("And", mask, band)
-        if call.attention_mask:
-            mask = "attention_mask" if mask is None else e.op("And", "attention_mask", mask)
+                band = e.op("Less", e.op("Abs", e.op("Sub", t, s)), e.const(cfg.sliding_window, I64))
+                geometric = band if geometric is None else e.op("And", geometric, band)
+        if geometric is not None:
+            geometric = e.op("Unsqueeze", geometric, e.i64(0))
+            mask = geometric if mask is None else e.op("And", mask, geometric)
 
         # scores in float32. GQA: query head h reads kv head h // rep; the query heads are
         # grouped as (N_kv, rep) so that MatMul broadcasts k and v instead of copying them.
         rep = N // N_kv
         q32 = e.cast(e.op("Transpose", q, perm=[0, 2, 1, 3]), ft, F)                 # (B, N, T, d)
-        k32 = e.cast(e.op("Transpose", k, perm=[0, 2, 3, 1]), ft, F)                 # (B, N_kv, d, S)
+        k32 = k                                                                      # (B, N_kv, d, S)
         if rep == 1:
             a = e.op("MatMul", q32, k32)                                             # (B, N, T, S)
         else:
@@ -478,31 +722,47 @@ class _Body:
         def to_bnts(t):   # (B, G, T, M, S) -> (B, N, T, S)
             return e.op("Reshape", e.op("Transpose", t, perm=[0, 1, 3, 2, 4]), bnts) if composing else t
 
-        zero = self.c(0.0, F)
-        mask_b = None
-        if mask is not None:   # (T, S) or (B, T, S) -> (B|1, 1, T, 1, S) or (B|1, 1, T, S)
-            if not call.attention_mask:
-                mask = e.op("Unsqueeze", mask, e.i64(0))
-            mask_b = e.op("Unsqueeze", mask, e.i64(1, 3) if composing else e.i64(1))
+        # The mask enters the big (B, N, T, S) tensors as two float factors made on
+        # the small (B|1, T, S) mask: a bias added before the softmax (0 or
+        # MASKED_SCORE: a + MASKED_SCORE == MASKED_SCORE for any real score) and a
+        # 0/1 multiplier after it. onnxruntime's broadcasting Where is ~10x slower
+        # than Add / Mul on these tensors (it was a third of the layer's time).
+        # In a row with a visible key, exp(MASKED_SCORE - max) underflows to exactly 0
+        # in float32 and compose mixes heads at one (t, s) only, so the multiplier is
+        # needed only where a row can have no visible key (its softmax is uniform):
+        # with an attention_mask, or a window over a separate key input.
+        bias = keep = None
+        if mask is not None:   # (B|1, T, S) -> (B|1, 1, T, 1, S) or (B|1, 1, T, S)
+            mask = e.op("Unsqueeze", mask, e.i64(1, 3) if composing else e.i64(1))
+            bias = e.op("Mul", e.op("Cast", e.op("Not", mask), to=F), self.c(MASKED_SCORE, F))
+            empty_rows = call.attention_mask or (cfg.sliding_window is not None
+                                                 and not (call.self_attention or call.decode))
+            if empty_rows or call.return_attention_scores or call.intermediates:
+                keep = e.op("Cast", mask, to=F)
         if composing:
             a = to_gtms(a)
-        if cfg.pre_compose:
-            a = self.compose(a, "pre", qdyn, kdyn, shapes)
-        if call.intermediates:
-            outputs["pre_composed"] = to_bnts(a)
-        if mask_b is not None:
-            a = e.op("Where", mask_b, a, self.c(MASK_FILL, F))
+        if cfg.pre_compose and not call.intermediates:   # the mask bias in compose's last pass
+            a = self.compose(a, "pre", qf, kf, shapes, plus=bias)
+        else:
+            if cfg.pre_compose:
+                a = self.compose(a, "pre", qf, kf, shapes)
+            if call.intermediates:
+                outputs["pre_composed"] = to_bnts(a)
+            if bias is not None:
+                a = e.op("Add", a, bias)
         p = e.op("Softmax", a, axis=-1)
         if call.intermediates:
-            outputs["probs"] = to_bnts(p if mask_b is None else e.op("Where", mask_b, p, zero))
+            outputs["probs"] = to_bnts(p if keep is None else e.op("Mul", p, keep))
         if cfg.post_compose:
-            p = self.compose(p, "post", qdyn, kdyn, shapes)
-        if mask_b is not None:
-            # masked entries (and fully masked rows, whose softmax is uniform) become exactly 0
-            p = e.op("Where", mask_b, p, zero)
+            p = self.compose(p, "post", qf, kf, shapes)
+        if keep is not None:
+            # masked entries (and fully masked rows, whose softmax is uniform) become
+            # exactly 0: p is finite, and p * 0 == 0, p * 1 == p
+            p = e.op("Mul", p, keep)
         p = to_bnts(p)                                                               # (B, N, T, S)
+        outputs["attention_scores"] = p
         # the probabilities leave float32 only for P.V (as in the Keras layer)
-        vh = e.op("Transpose", v, perm=[0, 2, 1, 3])                                  # (B, N_kv, S, d_v)
+        vh = v                                                                       # (B, N_kv, S, d_v)
         pc = e.cast(p, F, ft)
         if rep == 1:
             o = e.op("MatMul", pc, vh)                                               # (B, N, T, d_v)
@@ -511,16 +771,7 @@ class _Body:
                                           e.dims(pc, 2, 4), axis=0))
             o = e.reshape(e.op("MatMul", p5, e.op("Unsqueeze", vh, e.i64(2))), 0, N, -1, d_v)
         o = e.op("Transpose", o, perm=[0, 2, 1, 3])                                  # (B, T, N, d_v)
-        y = e.op("MatMul", e.reshape(o, 0, 0, N * d_v), e.reshape(w["output_kernel"], N * d_v, self.D_out))
-        if cfg.use_bias:
-            y = e.op("Add", y, w["output_bias"])
-        outputs["output"] = y
-        outputs["attention_scores"] = p
-        for side in (qdyn, kdyn):
-            for slot, ws in side.items():
-                outputs.update({f"dynamic/{slot}/{n}": t for n, t in ws.items()})
-        return outputs
-
+        return e.reshape(o, 0, 0, N * d_v), outputs
 
 def make_function(cfg: ref.Config, widths: Tuple[int, int, int], call: CallSpec, *,
                   dtype: str = "float32", opset: Optional[int] = None,
@@ -538,8 +789,14 @@ def make_function(cfg: ref.Config, widths: Tuple[int, int, int], call: CallSpec,
     produced = body.build()
     outs = function_outputs(cfg, call)
     nodes = list(body.e.nodes)
+    fixed = set(function_inputs(cfg, call, weights))   # names that cannot be renamed
     for o in outs:   # bind the internal names to the declared output names
-        nodes.append(helper.make_node("Identity", [produced[o]], [o], name="out_" + o))
+        value = produced[o]
+        if value in fixed or not rename_value(nodes, value, o):
+            nodes.append(helper.make_node("Identity", [value], [o], name="out_" + o))
+        else:        # renamed in place: no Identity, which is a copy into an output
+            produced = {k: (o if v == value else v) for k, v in produced.items()}
+        fixed.add(o)
     doc = json.dumps({"config": cfg.to_dict(), "widths": list(widths), "dtype": dtype,
                       "call": dataclasses.asdict(call)}, sort_keys=True)
     return helper.make_function(DOMAIN, name, function_inputs(cfg, call, weights), outs, nodes,
@@ -549,6 +806,26 @@ def make_function(cfg: ref.Config, widths: Tuple[int, int, int], call: CallSpec,
 # ---------------------------------------------------------------------------
 # Graph assembly
 # ---------------------------------------------------------------------------
+
+def rename_value(nodes: Sequence[onnx.NodeProto], old: str, new: str) -> bool:
+    """Rename the value ``old`` to ``new`` where ``nodes`` produce and read it (in
+    subgraphs too). False, changing nothing, when no node of ``nodes`` produces it."""
+    producer = next((n for n in nodes if old in n.output), None)
+    if producer is None:
+        return False
+    producer.output[list(producer.output).index(old)] = new
+
+    def visit(ns):
+        for node in ns:
+            for i, x in enumerate(node.input):
+                if x == old:
+                    node.input[i] = new
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    visit(attr.g.node)
+    visit(nodes)
+    return True
+
 
 class ModelBuilder:
     """Collects graph inputs, initializers, nodes and DCMHA functions into a ModelProto."""
@@ -567,6 +844,7 @@ class ModelBuilder:
         self._function_keys: Dict[str, str] = {}
         self.metadata: Dict[str, str] = {}
         self._names: set = set()
+        self._renamed: Dict[str, str] = {}
 
     def _claim(self, name: str) -> str:
         if name in self._names:
@@ -579,9 +857,16 @@ class ModelBuilder:
         return name
 
     def add_output(self, value: str, name: str, elem_type: int, shape: Optional[Sequence[Dim]]) -> str:
+        value = self._renamed.get(value, value)
         if value != name:
-            self.e.nodes.append(helper.make_node("Identity", [value], [self._claim(name)],
-                                                 name=self.e.fresh("n_out")))
+            self._claim(name)
+            # the producer writes the output itself where it can: an Identity into a graph
+            # output is a copy in onnxruntime (a whole decode cache per step)
+            if value in {o.name for o in self.outputs} or not rename_value(self.e.nodes, value, name):
+                self.e.nodes.append(helper.make_node("Identity", [value], [name],
+                                                     name=self.e.fresh("n_out")))
+            else:
+                self._renamed[value] = name
         self.outputs.append(helper.make_tensor_value_info(
             name, elem_type, None if shape is None else list(shape)))
         return name
@@ -734,15 +1019,29 @@ def check_model(model: onnx.ModelProto) -> None:
     onnx.checker.check_model(model, full_check=True)
 
 
-def session(model_or_path, *, threads: Optional[int] = None):
-    """An onnxruntime CPU session with every graph optimisation on (ORT_ENABLE_ALL)."""
+def session(model_or_path, *, threads: Optional[int] = None, spinning: bool = False):
+    """An onnxruntime CPU session with every graph optimisation on (ORT_ENABLE_ALL).
+
+    threads: intra-op threads. Default: onnxruntime's (one per physical core), but 1
+    for a decode graph (one with a ``cache_update_index`` input): a step's ops are
+    so small that waking a second thread for each costs more than it saves.
+    spinning: let idle intra-op threads spin-wait for work (onnxruntime's default).
+    Off by default: spinning threads take the cores from everything else in the
+    process and on the machine (a Keras backend, other sessions), which on a small
+    machine slows a layer down more than the spin saves (``benchmarks/ONNX_NOTES.md``).
+    """
     import onnxruntime as ort
+    model = model_or_path if isinstance(model_or_path, onnx.ModelProto) else onnx.load(
+        str(model_or_path), load_external_data=False)
+    if threads is None and any(i.name == "cache_update_index" for i in model.graph.input):
+        threads = 1
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
     if threads:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     src = model_or_path.SerializeToString() if isinstance(model_or_path, onnx.ModelProto) else str(model_or_path)
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
 

@@ -273,3 +273,116 @@ def test_save_is_atomic(tmp_path):
     with pytest.raises(onnx.checker.ValidationError):
         core.save_model(broken, tmp_path / "new.onnx")
     assert sorted(os.listdir(tmp_path)) == ["layer.onnx"]
+
+
+# ---------------------------------------------------------------------------
+# The deployed graph form: query chunks, each on its visible keys (no (B,N,T,S) output)
+# ---------------------------------------------------------------------------
+
+def _loops(model):
+    return [n for f in model.functions for n in f.node if n.op_type == "Loop"]
+
+
+@pytest.mark.parametrize("name", ["dcmha", "all_switches", "gqa_mqa_window"])
+@pytest.mark.parametrize("chunk", [1, 3, None])
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunked_forward_matches_reference(name, chunk, causal):
+    cfg = ref.Config(**CONFIGS[name], query_chunk_size=chunk)
+    p = _params(cfg)
+    t = 7                                    # not a multiple of the chunk: a shorter last chunk
+    x = np.random.default_rng(9).normal(size=(B, t, D)).astype(np.float32)
+    model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=causal))
+    core.check_model(model)
+    # one Loop over the chunks exactly where a query cannot see every key
+    assert len(_loops(model)) == int(causal or cfg.sliding_window is not None)
+    _close(_run(model, {"query": x})["output"],
+           ref.attention(p, cfg, x, use_causal_mask=causal), 1e-5)
+
+
+def test_chunked_default_size_spans_several_chunks():
+    cfg = ref.Config(num_heads=4, key_dim=4, rope_max_wavelength=100.0)
+    p = _params(cfg)
+    t = core.CHUNK + 3
+    x = np.random.default_rng(10).normal(size=(1, t, D)).astype(np.float32)
+    model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True))
+    _close(_run(model, {"query": x})["output"], ref.attention(p, cfg, x, use_causal_mask=True), 1e-5)
+
+
+def test_chunked_fully_masked_rows_output_zero():
+    cfg = ref.Config(num_heads=4, key_dim=4, query_chunk_size=2)
+    p = _params(cfg)
+    x = np.random.default_rng(11).normal(size=(B, T, D)).astype(np.float32)
+    mask = np.random.default_rng(12).random((B, T, T)) > 0.3
+    mask[0, 1] = False                                        # a row with no visible key
+    mask[1, :, :] = False                                     # a batch with none
+    model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True, attention_mask=True))
+    assert len(_loops(model)) == 1
+    out = _run(model, {"query": x, "attention_mask": mask})["output"]
+    _close(out, ref.attention(p, cfg, x, attention_mask=mask, use_causal_mask=True), 1e-5)
+    np.testing.assert_array_equal(out[0, 1], 0.0)
+    np.testing.assert_array_equal(out[1], 0.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_chunked_decode_with_mask_and_longer_cache(dtype):
+    # a 5-token prefill, then single tokens; the cache is longer than the sequence, so each
+    # step reads only the keys written so far (one block: a step is never split in chunks)
+    cfg = ref.Config(**CONFIGS["all_switches"], query_chunk_size=2)
+    p = _params(cfg, D_out=D)
+    steps, S_max = (5, 1, 1), 11
+    rng = np.random.default_rng(13)
+    x = rng.normal(size=(B, sum(steps), D)).astype(np.float32)
+    mask = rng.random((B, sum(steps), S_max)) > 0.2
+    model = core.export_layer(cfg, p, core.CallSpec(decode=True, attention_mask=True), dtype=dtype)
+    core.check_model(model)
+    assert len(_loops(model)) == 0
+    np_dtype = core.NP_DTYPES[dtype]
+    if dtype == "float16":   # the reference gets the float16-rounded weights and inputs
+        p = {n: v.astype(np.float16).astype(np.float32) for n, v in p.items()}
+        x = x.astype(np.float16).astype(np.float32)
+    sess = core.session(model)
+    names = core.decode_names(cfg)
+    cache = ref.init_cache(cfg, B, S_max)
+    ours = {n: c.astype(np_dtype) for n, c in cache.items()}
+    i = 0
+    for n in steps:
+        feeds = {"query": x[:, i:i + n].astype(np_dtype), "cache_update_index": np.array(i, np.int64),
+                 "attention_mask": mask[:, i:i + n]}
+        feeds.update({"past_" + c: ours[c] for c in names})
+        res = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+        y, cache = ref.decode_step(p, cfg, x[:, i:i + n], cache, i, attention_mask=mask[:, i:i + n])
+        _close(res["output"], y, 1e-5 if dtype == "float32" else 1e-2)
+        ours = {c: res["present_" + c] for c in names}
+        i += n
+
+
+def test_chunked_window_over_shorter_keys_rows_without_keys():
+    # cross-attention with a window: queries past the last key + window see no key (an
+    # all-masked block of their chunk), and output 0, never NaN
+    cfg = ref.Config(num_heads=4, key_dim=4, sliding_window=2, query_chunk_size=2, use_bias=True)
+    p = _params(cfg)
+    rng = np.random.default_rng(14)
+    x = rng.normal(size=(B, 9, D)).astype(np.float32)
+    kv = rng.normal(size=(B, 3, D)).astype(np.float32)
+    model = core.export_layer(cfg, p, core.CallSpec(self_attention=False))
+    assert len(_loops(model)) == 1
+    out = _run(model, {"query": x, "value": kv, "key": kv})["output"]
+    _close(out, ref.attention(p, cfg, x, kv, kv), 1e-5)
+    np.testing.assert_array_equal(out[:, 4:], np.broadcast_to(p["output_bias"], (B, 5, 7)))
+
+
+def test_decode_graph_binds_outputs_without_copies_and_session_defaults():
+    cfg = ref.Config(num_heads=4, key_dim=4)
+    decode = core.export_layer(cfg, _params(cfg, D_out=D), core.CallSpec(decode=True))
+    forward = core.export_layer(cfg, _params(cfg), core.CallSpec(use_causal_mask=True))
+    # an Identity into a graph output is a copy in onnxruntime (a whole cache per step)
+    for model in (decode, forward):
+        assert [n.op_type for f in model.functions for n in f.node].count("Identity") == 0
+        assert [n.op_type for n in model.graph.node].count("Identity") == 0
+    dec, fwd = core.session(decode).get_session_options(), core.session(forward).get_session_options()
+    assert (dec.intra_op_num_threads, fwd.intra_op_num_threads) == (1, 0)
+    for so in (dec, fwd):
+        assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    spin = core.session(forward, threads=2, spinning=True).get_session_options()
+    assert spin.intra_op_num_threads == 2
+    assert spin.get_session_config_entry("session.intra_op.allow_spinning") == "1"

@@ -7,14 +7,18 @@ Forward cases return "output" and "attention_scores" (and, for cases that
 require "intermediates", the spec's scores, pre_composed, probs and dynamic
 weights as extra graph outputs); decode cases run the
 single-step graph once per ``decode_steps`` entry, carrying the presents into
-the next step's pasts. float16 cases run the float16 graph (float32 scores and
-softmax). Not covered: gradients (an inference graph), and bfloat16 (the
-exporter writes float32/float16 only; onnxruntime's CPU provider has no
-bfloat16 MatMul/Softmax kernels).
+the next step's pasts. "output" always comes from the graph users deploy, the
+one without (B, N, T, S) outputs (queries in chunks, each on its visible keys);
+the attention scores and intermediates from a second graph that returns them.
+float16 cases run the float16 graph (float32 scores and softmax). Not covered:
+gradients (an inference graph), and bfloat16 (the exporter writes
+float32/float16 only; onnxruntime's CPU provider has no bfloat16 MatMul/Softmax
+kernels).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict
 
 import numpy as np
@@ -57,6 +61,8 @@ class OnnxRuntimeAdapter(Adapter):
                              attention_mask=has_mask, return_attention_scores=True,
                              intermediates="intermediates" in case.requires)
         sess = self._session(case, call)
+        plain = self._session(case, dataclasses.replace(call, return_attention_scores=False,
+                                                        intermediates=False))
         feeds = {"query": inputs["query"]}
         if not self_attention:
             feeds["value"] = inputs["value"]
@@ -67,6 +73,7 @@ class OnnxRuntimeAdapter(Adapter):
             feeds["attention_mask"] = np.broadcast_to(inputs["attention_mask"].astype(bool), (B, T, S))
         names = [o.name for o in sess.get_outputs()]
         out = dict(zip(names, sess.run(None, feeds)))
+        out["output"] = plain.run(["output"], feeds)[0]
         return {n: np.asarray(a, np.float32) for n, a in out.items()}
 
     def _decode(self, case, inputs, np_dtype) -> Dict[str, np.ndarray]:
@@ -74,8 +81,9 @@ class OnnxRuntimeAdapter(Adapter):
         B, T = query.shape[:2]
         S_max = cache_length(case)
         has_mask = bool(case.call.get("has_attention_mask", False))
-        sess = self._session(case, core.CallSpec(decode=True, attention_mask=has_mask,
-                                                 return_attention_scores=True))
+        call = core.CallSpec(decode=True, attention_mask=has_mask, return_attention_scores=True)
+        sess = self._session(case, call)
+        plain = self._session(case, dataclasses.replace(call, return_attention_scores=False))
         names = core.decode_names(case.cfg)
         cache = {n: np.zeros(s, np_dtype)
                  for n, s in reference.cache_shapes(case.cfg, B, S_max).items()}
@@ -85,16 +93,16 @@ class OnnxRuntimeAdapter(Adapter):
             mask = np.zeros((B, T, S_max), bool)
             mask[:, :, :min(T, S_max)] = m[:, :, :S_max]
         outs, scores = [], []
-        out_names = [o.name for o in sess.get_outputs()]
+        out_names = [o.name for o in plain.get_outputs()]
         for i, j in decode_segments(case):
             feeds = {"query": query[:, i:j], "cache_update_index": np.array(i, np.int64)}
             feeds.update({"past_" + c: cache[c] for c in names})
             if has_mask:
                 feeds["attention_mask"] = mask[:, i:j]
-            res = dict(zip(out_names, sess.run(None, feeds)))
+            scores.append(sess.run(["attention_scores"], feeds)[0])
+            res = dict(zip(out_names, plain.run(None, feeds)))
             cache = {c: res["present_" + c] for c in names}
             outs.append(res["output"])
-            scores.append(res["attention_scores"])
         result = {"output": np.concatenate(outs, axis=1).astype(np.float32)}
         if S_max == T:   # step scores (B, N, n, S_max) tile the full (B, N, T, S) scores
             result["attention_scores"] = np.concatenate(scores, axis=2).astype(np.float32)
