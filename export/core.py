@@ -59,6 +59,8 @@ NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 #: finite, so a fully masked row gives a finite (uniform) softmax that the final
 #: mask zeroes, and far below any real score, so it absorbs the score.
 MASKED_SCORE = float(spec_terms.MASKED_SCORE)
+#: The compose terms this translation writes (see ``_Body.factors``).
+EXPORTED_TERMS = frozenset({"qw1", "qw2", "kw1", "kw2", "qdd", "kdd", "static"})
 #: Queries per chunk of the chunked attention (``attend_chunks``) unless the
 #: configuration sets ``query_chunk_size``.
 CHUNK = 64
@@ -452,6 +454,14 @@ class _Body:
             q = qdyn.get(stage + "_query", {})
             k = kdyn.get(stage + "_key", {})
             static = self.w["static_" + stage] if cfg.static_compose else None
+            # The terms the spec makes of these weights: a term this translation does not
+            # know (one added to spec.terms later) is refused, never silently dropped.
+            unknown = sorted(set(spec_terms.stage_terms(stage, qdyn, kdyn, static))
+                             - EXPORTED_TERMS)
+            if unknown:
+                raise NotImplementedError(
+                    f"The ONNX exporter does not translate the compose terms {unknown} of "
+                    f"the {stage} stage (it translates {sorted(EXPORTED_TERMS)}).")
             if q or static is not None:
                 qf[stage] = (self._merged(q.get("w1"), q.get("w2"), q.get("dd"), static, True, True),
                              2 if q else None)

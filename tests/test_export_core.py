@@ -386,3 +386,21 @@ def test_decode_graph_binds_outputs_without_copies_and_session_defaults():
     spin = core.session(forward, threads=2, spinning=True).get_session_options()
     assert spin.intra_op_num_threads == 2
     assert spin.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+
+
+def test_a_compose_term_the_exporter_does_not_translate_is_refused(monkeypatch):
+    """A term added to the spec (here: a second query-side gate read from the same dynamic
+    weight as qdd) makes export fail with the term named, never a graph without it."""
+    from dcmha.spec import terms as spec_terms
+
+    extra = spec_terms.Term("qdd_trial", "query", ("B", "T", "G", "M"), "dd", None, "query",
+                            "btgn,nm->btgnm")
+    monkeypatch.setattr(spec_terms, "COMPOSE_TERMS", spec_terms.COMPOSE_TERMS + (extra,))
+    cfg = ref.Config(**CONFIGS[sorted(CONFIGS)[0]])
+    assert cfg.pre_compose or cfg.post_compose
+    stage = "pre" if cfg.pre_compose else "post"
+    with pytest.raises(NotImplementedError, match=(
+            rf"^The ONNX exporter does not translate the compose terms \['qdd_trial'\] of the "
+            rf"{stage} stage \(it translates \['kdd', 'kw1', 'kw2', 'qdd', 'qw1', 'qw2', "
+            r"'static'\]\)\.$")):
+        core.export_layer(cfg, _params(cfg), core.CallSpec())
