@@ -10,7 +10,7 @@ node and fuse it, any other runtime inlines its plain-op body. The body follows
     set to 0 (all in float32, whatever the dtype, as in the Keras layer) ->
     P.V -> output projection.
 
-Written for onnxruntime's CPU provider (benchmarks/ONNX_NOTES.md): one MatMul
+Written for onnxruntime's CPU provider (benchmarks/RESULTS.md, "onnxruntime on the exported graph"): one MatMul
 for every projection of a self-attention input; compose as one batched MatMul
 per side with its factors made once per call; masks as an added bias and a 0/1
 multiplier. A causal or windowed call without (B, N, T, S) outputs runs its
@@ -1038,7 +1038,7 @@ def session(model_or_path, *, threads: Optional[int] = None, spinning: bool = Fa
     spinning: let idle intra-op threads spin-wait for work (onnxruntime's default).
     Off by default: spinning threads take the cores from everything else in the
     process and on the machine (a Keras backend, other sessions), which on a small
-    machine slows a layer down more than the spin saves (``benchmarks/ONNX_NOTES.md``).
+    machine slows a layer down more than the spin saves (``benchmarks/RESULTS.md, "onnxruntime on the exported graph"``).
     """
     import onnxruntime as ort
     model = model_or_path if isinstance(model_or_path, onnx.ModelProto) else onnx.load(
