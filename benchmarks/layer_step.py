@@ -138,6 +138,101 @@ def make_forward(layer, x, tf_xla=False):
     raise SystemExit(f"unsupported backend {backend!r}")
 
 
+def conditions(layer, x):
+    """What a figure depends on, recorded beside it: the machine (CPU model, cores, caches,
+    transparent huge pages), the threading set-up (intra-op threads, OMP_WAIT_POLICY, the
+    torch core's workers), the load average at the start, the implementation "auto" takes
+    for this input and whether the compiled compose kernel loads."""
+    import keras
+
+    from dcmha import ops as dops
+
+    def read(path):
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
+    cpu = read("/proc/cpuinfo") or ""
+    model = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines()
+                  if ln.startswith("model name")), None)
+    caches = {}
+    for index in range(8):
+        base = f"/sys/devices/system/cpu/cpu0/cache/index{index}/"
+        level, kind, size = read(base + "level"), read(base + "type"), read(base + "size")
+        if level and size:
+            caches[f"L{level}{'' if kind == 'Unified' else kind[0].lower()}"] = size
+    out = {"cpu_model": model, "cpu_count": os.cpu_count(), "caches_per_core_or_shared": caches,
+           "transparent_hugepage": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+           "load_average_1min": os.getloadavg()[0],
+           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+           "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+           "dcmha_torch_workers": os.environ.get("DCMHA_TORCH_WORKERS")}
+    q = keras.ops.convert_to_tensor(np.zeros((x.shape[0], x.shape[1], layer.num_heads,
+                                              layer.key_dim), "float32"))
+    explain = getattr(dops, "explain_implementation", None)      # (absent before 0.2)
+    out["auto_takes"] = explain(q, q, q, use_causal_mask=True)[-1][0] if explain else None
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+        out["intra_op_threads"] = torch.get_num_threads()
+    try:
+        from dcmha.backends import cpu_kernel
+        out["compose_kernel"] = ("loaded" if cpu_kernel.load()
+                                 else f"unavailable: {cpu_kernel.unavailable_reason()}")
+    except Exception as e:                        # noqa: BLE001 - recorded, not fatal
+        out["compose_kernel"] = f"unavailable: {e}"
+    return out
+
+
+def _over_processes(args, argv):
+    """Run this script ``args.processes`` times in fresh processes; the median and range of
+    the per-process ratios (and every process's result) as the figure."""
+    import subprocess
+    import sys
+    import tempfile
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    keep = []
+    skip = False
+    for a in argv:                                  # drop --processes N and --json PATH
+        if skip:
+            skip = False
+            continue
+        if a in ("--processes", "--json"):
+            skip = True
+            continue
+        if not a.startswith(("--processes=", "--json=")):
+            keep.append(a)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.processes):
+            out = os.path.join(tmp, f"{i}.json")
+            subprocess.run([sys.executable, os.path.abspath(__file__), *keep, "--json", out],
+                           check=True)
+            with open(out) as f:
+                runs.append(json.load(f))
+    result = {"processes": args.processes, "runs": runs}
+    for key in ("ratio", "forward_ratio"):
+        values = [r[key] for r in runs if key in r]
+        if values:
+            result[key] = {"median": statistics.median(values), "min": min(values),
+                           "max": max(values), "all": values}
+            print(f"{key} over {len(values)} processes: median {statistics.median(values):.2f}x, "
+                  f"range {min(values):.2f}-{max(values):.2f}x "
+                  f"({', '.join(f'{v:.2f}' for v in values)})")
+    return _written(result, args.json)
+
+
+def _written(result, path):
+    """``result``, written as JSON to ``path`` first when a path is given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
 def _alternate(runs, repeats):
     """Wall and CPU times of each callable, run alternately ``repeats`` times."""
     times = {name: [] for name in runs}
@@ -171,7 +266,13 @@ def main(argv=None):
                         help="tensorflow: tf.function(jit_compile=True) around the step and the "
                              "forward (what Model.fit / predict use by default)")
     parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="run the measurement in this many fresh processes, one after "
+                             "the other, and report the spread of their ratios (one process "
+                             "is not a figure: see RESULTS.md, 'What the torch ratio depends on')")
     args = parser.parse_args(argv)
+    if args.processes > 1:
+        return _over_processes(args, argv)
     if args.omp_wait_policy != "keep":
         os.environ.setdefault("OMP_WAIT_POLICY", args.omp_wait_policy)
 
@@ -187,6 +288,7 @@ def main(argv=None):
                                                seed=0),
     }
     steps, forwards = {}, {}
+    setup = conditions(layers["dcmha"], x)
     for name, layer in layers.items():
         layer(x[:, :8], x[:, :8])                   # build
         steps[name] = make_step(layer, x, args.tf_xla)
@@ -208,6 +310,7 @@ def main(argv=None):
         "dcmha_cpu_ms": 1e3 * med_cpu["dcmha"], "mha_cpu_ms": 1e3 * med_cpu["mha"],
         "cpu_ratio": med_cpu["dcmha"] / med_cpu["mha"],
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "cpu_count": os.cpu_count(),
+        "conditions": setup,
         "dcmha_all_ms": [1e3 * t for t in times["dcmha"]],
         "mha_all_ms": [1e3 * t for t in times["mha"]],
     }
@@ -216,6 +319,7 @@ def main(argv=None):
           f"DCMHA {result['dcmha_ms']:.1f} ms, MHA {result['mha_ms']:.1f} ms, "
           f"ratio {result['ratio']:.2f}x (median of {args.repeats}; CPU time ratio "
           f"{result['cpu_ratio']:.2f}x)")
+    print("conditions: " + ", ".join(f"{k}={v}" for k, v in setup.items()))
     if forwards:
         f_times, f_cpu = _alternate(forwards, args.repeats)
         f_med = {name: statistics.median(ts) for name, ts in f_times.items()}
@@ -232,10 +336,7 @@ def main(argv=None):
               f"DCMHA {result['forward_dcmha_ms']:.1f} ms, MHA {result['forward_mha_ms']:.1f} ms, "
               f"ratio {result['forward_ratio']:.2f}x (median of {args.repeats}; CPU time ratio "
               f"{result['forward_cpu_ratio']:.2f}x)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return _written(result, args.json)
 
 
 if __name__ == "__main__":
