@@ -471,7 +471,8 @@ class DCMHA(keras.layers.Layer):
             backend, every option. The fused fast paths, each on one Keras
             backend: "triton" (torch; CUDA tensors, or CPU tensors with
             TRITON_INTERPRET=1 set before Triton is imported), "torch"
-            (torch), "pallas" (jax; compiled on a GPU, interpreted
+            (torch), "torch_decode" (torch; one-query calls, i.e. decoding
+            steps, in plain PyTorch ops; other calls run "ops"), "pallas" (jax; compiled on a GPU, interpreted
             elsewhere), "jax_cpu" (jax on CPU) and "tf_cpu" (tensorflow on
             CPU, outside XLA clusters), whose composes run in a C kernel
             compiled on first use, "xla" (tensorflow; no decoding offset with
@@ -482,8 +483,8 @@ class DCMHA(keras.layers.Layer):
             backend that can run the call and is preferred for it, else
             "ops" (then choosing a query chunk size for speed when
             ``query_chunk_size`` is None): on torch "triton" for CUDA
-            tensors with Triton installed, then "torch" when its rule
-            prefers it; on jax "pallas" on a GPU with a static query offset,
+            tensors with Triton installed, then on CPU "torch_decode" for
+            one-query calls and "torch" when its rule prefers it; on jax "pallas" on a GPU with a static query offset,
             then "jax_cpu" on CPU for T * S >= 8192; on tensorflow "tf_cpu"
             on CPU for T * S >= 8192 (eager or in a ``tf.function``), then
             "xla" inside a traced ``tf.function`` (eager calls take "ops": a

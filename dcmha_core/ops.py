@@ -379,11 +379,11 @@ def key_range(t0, t1, S, *, use_causal_mask, sliding_window, query_offset):
                                 offset=query_offset)
 
 
-#: The key-side terms the one-query path applies in low-rank form (see ``_decode_compose``).
+#: The key-side terms the one-query paths apply in low-rank form (see ``decode_compose``).
 _LOW_RANK_KEY_TERMS = ("kw1", "kw2", "kdd")
 
 
-def _decode_compose(x, terms, M):
+def decode_compose(x, terms, M, *, einsum=None, matmul=None, eye=None):
     """Compose for one query: x (B, G, M, S) -> same (float32).
 
     The query factor (one (M x M) matrix per query, ``query_compose_matrix``) is
@@ -393,22 +393,25 @@ def _decode_compose(x, terms, M):
     (which is never built); these read the cached (B, S, G, R, M) weights in
     place. A key-factor term of the spec other than kw1 / kw2 / kdd goes through
     its factor (``dcmha.spec.terms.compose_factors``).
+
+    einsum / matmul / eye: the array functions (default ``keras.ops``'s; the torch
+    path passes PyTorch's own, which skip Keras's per-op conversions).
     """
-    wq = query_compose_matrix(terms, M)
+    einsum, matmul, eye = einsum or ops.einsum, matmul or ops.matmul, eye or _eye32
+    wq = spec_terms.compose_factors(terms, M, einsum=einsum, eye=eye, factors=("query",))[0]
     if wq is not None and len(wq.shape) == 5:               # (B, 1, G, M, M) per query
         wq = wq[:, 0]
-    out = x if wq is None else ops.matmul(wq, x)
+    out = x if wq is None else matmul(wq, x)
     if "kw1" in terms:
-        y = ops.einsum("bsgrm,bgms->bgrs", terms["kw1"], x)
-        out = out + ops.einsum("bsgrn,bgrs->bgns", terms["kw2"], y)
+        y = einsum("bsgrm,bgms->bgrs", terms["kw1"], x)
+        out = out + einsum("bsgrn,bgrs->bgns", terms["kw2"], y)
     if "kdd" in terms:
-        out = out + ops.einsum("bsgn,bgns->bgns", terms["kdd"], x)
+        out = out + einsum("bsgn,bgns->bgns", terms["kdd"], x)
     other = {n: w for n, w in terms.items() if n not in _LOW_RANK_KEY_TERMS
              and spec_terms.TERMS[n].factor == "key"}
     if other:
-        wk = spec_terms.compose_factors(other, M, einsum=ops.einsum, eye=_eye32,
-                                        factors=("key",))[1]
-        out = out + ops.einsum("bsgnm,bgms->bgns", wk, x)
+        wk = spec_terms.compose_factors(other, M, einsum=einsum, eye=eye, factors=("key",))[1]
+        out = out + einsum("bsgnm,bgms->bgns", wk, x)
     return out
 
 
@@ -428,7 +431,7 @@ def _attention_one_query(q, k, v, mask, pre, post, *, num_groups, rows_may_be_em
     qh = ops.reshape(q, (B, N_kv, rep, d))
     x = ops.reshape(ops.einsum("bhrd,bshd->bhrs", qh, k), (B, G, M, S))
     if pre:
-        x = _decode_compose(x, pre, M)
+        x = decode_compose(x, pre, M)
     if mask is not None:
         # (B|1, 1, S|1) -> (B|1, 1, 1, S|1); per head (B|1, N, 1, S|1) -> (B|1, G, M, S|1)
         m = mask if len(mask.shape) == 4 else mask[:, None]
@@ -438,7 +441,7 @@ def _attention_one_query(q, k, v, mask, pre, post, *, num_groups, rows_may_be_em
     # (_shape: a traced size is unknown, so an exporter's trace at S=1 keeps the softmax.)
     p = ops.ones_like(x) if _shape(x)[-1] == 1 else ops.softmax(x, axis=-1)
     if post:
-        p = _decode_compose(p, post, M)
+        p = decode_compose(p, post, M)
     o = ops.einsum("bhrs,bshv->bhrv", ops.reshape(p, (B, N_kv, rep, S)), v)
     o = ops.reshape(o, (B, 1, N, d_v))
     if mask is not None and rows_may_be_empty:

@@ -32,9 +32,9 @@ from dcmha.layers import DCMHA
 
 BACKEND = keras.backend.backend()
 #: Every ``implementation`` name, as the error message lists them.
-NAMES = ["auto", "jax_cpu", "ops", "pallas", "tf_cpu", "torch", "triton", "xla"]
+NAMES = ["auto", "jax_cpu", "ops", "pallas", "tf_cpu", "torch", "torch_decode", "triton", "xla"]
 #: The fast paths "auto" tries on each Keras backend, in order (higher priority first).
-AUTO_ORDER = {"torch": ["triton", "torch"], "jax": ["pallas", "jax_cpu"],
+AUTO_ORDER = {"torch": ["triton", "torch_decode", "torch"], "jax": ["pallas", "jax_cpu"],
               "tensorflow": ["tf_cpu", "xla"], "numpy": []}
 #: TRITON_INTERPRET as the process started (Triton reads it when first imported).
 INTERPRET_STEP = (BACKEND == "torch" and os.environ.get("TRITON_INTERPRET") == "1"
@@ -202,7 +202,7 @@ def test_registry_names_backends_and_auto_order():
     table = registry.implementations()
     assert sorted(("auto",) + tuple(table)) == NAMES
     assert {n: impl.backend for n, impl in table.items()} == {
-        "ops": "any", "triton": "torch", "torch": "torch", "pallas": "jax",
+        "ops": "any", "triton": "torch", "torch": "torch", "torch_decode": "torch", "pallas": "jax",
         "xla": "tensorflow", "jax_cpu": "jax", "tf_cpu": "tensorflow"}
     # "auto" tries this backend's fast paths by priority, then "ops" (a small eager call
     # on CPU is taken by none of them, so explain lists them all).
@@ -339,6 +339,7 @@ def test_auto_takes_triton_for_cuda_tensors(monkeypatch):
     assert registry.explain(call) == [
         ("triton", "the call needs attention dropout (dropout_rate=0.1 in training), which it "
                    "does not do"),
+        ("torch_decode", "'auto' takes it on cpu, not on gpu"),
         ("torch", "'auto' takes it on cpu, not on gpu"), ("ops", None)]
 
 
@@ -349,8 +350,9 @@ def test_auto_never_takes_triton_for_cpu_tensors(chosen, reference_case):
     name, _ = dops.select_implementation("auto", call)
     # Triton is GPU-only for "auto"; "torch" takes CPU calls from T * S = 8192 (this is 36).
     assert name == "ops"
-    assert registry.explain(call) == [("triton", AUTO_GPU_ONLY), ("torch", AUTO_SMALL.format(36)),
-                                      ("ops", None)]
+    assert registry.explain(call) == [("triton", AUTO_GPU_ONLY),
+                                      ("torch_decode", "not preferred for this call"),
+                                      ("torch", AUTO_SMALL.format(36)), ("ops", None)]
     case, layers = make_layers(reference_case, "ops")
     layer = DCMHA(**{**case["cfg"].to_dict(), "implementation": "auto"})
     layer.load_spec_weights(case["params"])

@@ -38,6 +38,7 @@ TOY_MODULE = "dcmha_test_toy_path"
 BUILT_INS = {
     "ops": "dcmha.ops:IMPLEMENTATION",
     "torch": "dcmha.backends.torch_native:IMPLEMENTATION",
+    "torch_decode": "dcmha.backends.torch_native:DECODE_IMPLEMENTATION",
     "triton": "dcmha.backends.triton:IMPLEMENTATION",
     "pallas": "dcmha.backends.pallas:IMPLEMENTATION",
     "jax_cpu": "dcmha.backends.jax_cpu:IMPLEMENTATION",
@@ -50,6 +51,7 @@ BUILT_INS = {
 DECLARED = {
     "ops": ("any", {"cpu", "gpu", "tpu"}, set(), 0, 0),
     "torch": ("torch", {"cpu", "gpu"}, {"cpu"}, 10, 8192),
+    "torch_decode": ("torch", {"cpu", "gpu"}, {"cpu"}, 15, 0),
     "triton": ("torch", {"gpu"}, {"gpu"}, 20, 0),
     "pallas": ("jax", {"cpu", "gpu", "tpu"}, {"gpu"}, 20, 0),
     "jax_cpu": ("jax", {"cpu"}, {"cpu"}, 10, 8192),
@@ -396,8 +398,8 @@ def expected_rows(size):
         rows = [("pallas", AUTO_GPU_ONLY),
                 ("jax_cpu", AUTO_SMALL.format(size * size) if small else _kernel_row("jax_cpu"))]
     elif BACKEND == "torch":
-        rows = [("triton", AUTO_GPU_ONLY), ("torch", AUTO_SMALL.format(size * size) if small
-                                            else None)]
+        rows = [("triton", AUTO_GPU_ONLY), ("torch_decode", "not preferred for this call"),
+                ("torch", AUTO_SMALL.format(size * size) if small else None)]
     elif BACKEND == "tensorflow":
         rows = [("tf_cpu", AUTO_SMALL.format(size * size) if small else _kernel_row("tf_cpu"))]
         if rows[-1][1] is not None:       # eager: "xla" only when TensorFlow traces a graph

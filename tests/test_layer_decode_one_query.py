@@ -21,19 +21,29 @@ from dcmha.spec import reference
 from test_layer_numerics import assert_close, np_
 
 BACKEND = keras.backend.backend()
+#: The implementations with a one-query path on this backend (forced by name).
+IMPLEMENTATIONS = ["ops"] + (["torch_decode"] if BACKEND == "torch" else [])
 
 
 @pytest.fixture
 def one_query_calls(monkeypatch):
     """The number of calls of the one-query path (a list to read after the calls)."""
     calls = []
-    inner = dops._attention_one_query
+    # The one-query paths: the "ops" core's, and on torch the "torch_decode" implementation's
+    # (which "auto" takes there for T = 1).
+    paths = [(dops, "_attention_one_query")]
+    if BACKEND == "torch":
+        from dcmha.backends.torch_native import decode
+        paths.append((decode, "_one_query"))
 
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return inner(*args, **kwargs)
+    def spy(inner):
+        def run(*args, **kwargs):
+            calls.append(1)
+            return inner(*args, **kwargs)
+        return run
 
-    monkeypatch.setattr(dops, "_attention_one_query", spy)
+    for module, name in paths:
+        monkeypatch.setattr(module, name, spy(getattr(module, name)))
     return calls
 
 
@@ -66,10 +76,11 @@ def _core_case(reference_case, kwargs, t, S=7):
     return cfg, p, q[:, t:t + 1], k, v, qdyn1, kdyn, terms, f32
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("name, tensor_offset", [(n, False) for n in sorted(CONFIGS)] + [
     ("dcmha", True), ("gqa_groups_static_window", True)])
 def test_one_query_core_matches_reference(reference_case, one_query_calls, name,
-                                          tensor_offset):
+                                          tensor_offset, implementation):
     t, S = 4, 7
     cfg, p, q, k, v, qdyn, kdyn, terms, f32 = _core_case(reference_case, CONFIGS[name], t, S)
     mask = reference.make_mask(q.shape[0], 1, S, use_causal_mask=True,
@@ -79,12 +90,13 @@ def test_one_query_core_matches_reference(reference_case, one_query_calls, name,
     o = dops.dcmha_attention(f32(q), f32(k), f32(v), num_groups=cfg.G, pre=terms.get("pre"),
                              post=terms.get("post"), use_causal_mask=True,
                              sliding_window=cfg.sliding_window, query_offset=offset,
-                             implementation="ops")
+                             implementation=implementation)
     assert_close(o, o_ref)
     assert len(one_query_calls) == 1
 
 
-def test_one_query_core_masks(reference_case, one_query_calls):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_one_query_core_masks(reference_case, one_query_calls, implementation):
     """A padding mask with a fully masked row (zeros, never NaN), and a per-head mask
     (checked against the block path, which ``return_attention_scores`` selects)."""
     t, S = 5, 7
@@ -99,7 +111,7 @@ def test_one_query_core_masks(reference_case, one_query_calls):
     o_ref, _ = reference.attend(cfg, p, q, k, v, qdyn, kdyn, mask)
     args = (f32(q), f32(k), f32(v))
     kw = dict(num_groups=cfg.G, pre=terms["pre"], post=terms["post"], use_causal_mask=True,
-              query_offset=t, implementation="ops")
+              query_offset=t, implementation=implementation)
     o = dops.dcmha_attention(*args, attention_mask=pad, **kw)
     assert_close(o, o_ref)
     np.testing.assert_array_equal(np_(o)[1], 0.0)

@@ -11,7 +11,7 @@ import importlib.util
 from dcmha.backends import CPU_MIN_LENGTH_PRODUCT, lazy_attributes
 from dcmha.registry import Implementation
 
-__all__ = ["IMPLEMENTATION", "dcmha_attention", "dcmha_attention_reference", "default_block_q", "is_available"]
+__all__ = ["IMPLEMENTATION", "DECODE_IMPLEMENTATION", "dcmha_attention", "dcmha_attention_reference", "default_block_q", "is_available"]
 
 
 def is_available() -> bool:
@@ -29,3 +29,13 @@ IMPLEMENTATION = Implementation(
     priority=10, min_length_product=CPU_MIN_LENGTH_PRODUCT,
     description="blocked PyTorch autograd function with a recomputing backward; composes "
                 "in the compiled C kernel on CPU")
+
+#: One decoding step (T = 1) in plain PyTorch ops, without Keras's per-op conversions
+#: (``decode``): "auto" takes it for one-query calls on CPU; other calls go to "ops".
+DECODE_IMPLEMENTATION = Implementation(
+    name="torch_decode", backend="torch", module="dcmha.backends.torch_native.decode",
+    devices=frozenset({"cpu", "gpu"}), auto_devices=frozenset({"cpu"}),
+    lacks=frozenset({"intermediates", "dropout", "symbolic_shapes"}), priority=15,
+    description="one decoding step (T = 1) in plain PyTorch ops; other calls run the "
+                "plain core")
+

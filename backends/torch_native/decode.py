@@ -1,0 +1,96 @@
+"""One decoding step in plain PyTorch: the "torch_decode" implementation.
+
+A cached decoding step is one query against S cached keys (T = 1). Its work is
+small (a few (M x S) products per head group). On a CPU the time goes into
+dispatching ops, and a ``keras.ops`` call costs about twice the PyTorch op it
+wraps, because of its argument conversions. So this module runs the step of
+``dcmha.ops``' one-query path (scores, both composes with the key-side terms in
+low-rank form through ``dcmha.ops.decode_compose``, the masked softmax, P.V)
+with PyTorch's own functions. It computes the same arithmetic and the same
+masking rules: masked probabilities are exactly 0, and a query that sees no key
+outputs 0.
+
+``"auto"`` takes it for T == 1 calls (``preferred``). Any other call that names
+it goes to the plain core, ``dcmha.ops.attention``, so a forced
+``implementation="torch_decode"`` runs every call.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def preferred(call):
+    """``"auto"`` takes this path for one-query calls (decoding steps)."""
+    return call.T == 1
+
+
+def _visible(call, S, device):
+    """The (B|1, 1, S) bool mask of the one query (user mask, causal, window), or None."""
+    import torch
+
+    from dcmha import ops as dops
+    vis = None
+    if call.use_causal_mask or call.sliding_window is not None:
+        offset = call.query_offset
+        pos = (offset.reshape(()).to(device=device, dtype=torch.int64) if hasattr(offset, "shape")
+               else torch.tensor(int(offset), device=device))
+        s = torch.arange(S, device=device)
+        vis = torch.ones(S, dtype=torch.bool, device=device)
+        if call.use_causal_mask:
+            vis = vis & (s <= pos)
+        if call.sliding_window is not None:
+            vis = vis & ((pos - s).abs() < call.sliding_window)
+        vis = vis.reshape(1, 1, S)
+    mask = dops.standardize_mask(call.attention_mask)     # (B|1, T|1, S|1) or None
+    if mask is not None:
+        mask = torch.as_tensor(mask, device=device).to(torch.bool)[:, :1].expand(-1, 1, S)
+        vis = mask if vis is None else vis & mask
+    return vis
+
+
+def attention(call):
+    """(o (B, 1, N, d_v) float32, {}) for a one-query call; any other call through the
+    plain core (``dcmha.ops.attention``)."""
+    from dcmha import ops as dops
+    if call.T != 1 or call.return_attention_scores or call.return_intermediates or (
+            call.training and call.dropout_rate > 0.0) or call.mask_kind == "per_head":
+        return dops.attention(call)
+    return _one_query(call), {}
+
+
+def _one_query(call):
+    """o (B, 1, N, d_v) float32 of a one-query call (see the module doc)."""
+    import torch
+
+    from dcmha import ops as dops
+    from dcmha.spec import terms as spec_terms
+    q, k, v = (torch.as_tensor(x).to(torch.float32) for x in (call.q, call.k, call.v))
+    B, _, N, d = q.shape
+    S, N_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
+    G, rep = call.num_groups, N // N_kv
+    M = N // G
+    qh = (q * (1.0 / math.sqrt(d))).reshape(B, N_kv, rep, d)
+    x = torch.einsum("bhrd,bshd->bhrs", qh, k).reshape(B, G, M, S)
+
+    def eye(m):
+        return torch.eye(m, dtype=torch.float32, device=q.device)
+
+    def compose(a, terms):
+        terms = {n: torch.as_tensor(w, device=q.device).to(torch.float32)
+                 for n, w in terms.items()}
+        return dops.decode_compose(a, terms, M, einsum=torch.einsum, matmul=torch.matmul,
+                                   eye=eye)
+
+    if call.pre:
+        x = compose(x, call.pre)
+    vis = _visible(call, S, q.device)
+    if vis is not None:
+        x = x.masked_fill(~vis[:, :, None], spec_terms.MASKED_SCORE)   # (B|1, 1, 1, S)
+    p = torch.softmax(x, dim=-1)
+    if call.post:
+        p = compose(p, call.post)
+    o = torch.einsum("bhrs,bshv->bhrv", p.reshape(B, N_kv, rep, S), v).reshape(B, 1, N, d_v)
+    if vis is not None:                  # a query that sees no key outputs 0
+        o = o * vis.any(dim=-1).to(torch.float32)[:, :, None, None]
+    return o
