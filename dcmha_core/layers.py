@@ -1203,18 +1203,16 @@ class DCMHA(keras.layers.Layer):
             new_cache = dict(cache)
             if not read_only:
                 def write(name, update):
-                    entry = cache[name]
-                    start = [0, cache_update_index] + [0] * (len(entry.shape) - 2)
-                    new_cache[name] = ops.slice_update(entry, start,
-                                                       ops.cast(update, entry.dtype))
+                    new_cache[name] = dops.write_slice(cache[name], cache_update_index,
+                                                       update)
                 write("key", k)
                 write("value", v)
                 for slot, ws in kdyn.items():
                     for n, w in ws.items():
                         write(f"{slot}_{n}", w)
-            k = ops.cast(new_cache["key"], "float32")
-            v = ops.cast(new_cache["value"], "float32")
-            kdyn = {s: {n: ops.cast(new_cache[f"{s}_{n}"], "float32")
+            k = dops.as_dtype(new_cache["key"], "float32")
+            v = dops.as_dtype(new_cache["value"], "float32")
+            kdyn = {s: {n: dops.as_dtype(new_cache[f"{s}_{n}"], "float32")
                         for n in ("w1", "w2", "dd") if f"{s}_{n}" in new_cache}
                     for s in self._key_slots}
 

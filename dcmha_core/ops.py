@@ -61,6 +61,33 @@ def rms_normalize(x, eps, scale=None):
     return y if scale is None else y * scale
 
 
+def as_dtype(x, dtype):
+    """``ops.cast(x, dtype)``, skipped when ``x`` already has ``dtype`` (even a cast that
+    changes nothing costs a Keras op per call in eager PyTorch: a decoding step has
+    dozens of them)."""
+    if keras.backend.standardize_dtype(x.dtype) == dtype:
+        return x
+    return ops.cast(x, dtype)
+
+
+def write_slice(entry, index, update):
+    """``entry`` with ``update`` written at [:, index:index + n] (a new tensor; ``entry``
+    is unchanged), cast to ``entry``'s dtype: ``ops.slice_update``. In eager PyTorch
+    with a Python int index, it does the same clone and assignment as Keras's own but
+    without Keras's per-op conversions (a decoding step writes eight cache entries per
+    layer)."""
+    update = as_dtype(update, keras.backend.standardize_dtype(entry.dtype))
+    if keras.backend.backend() == "torch" and isinstance(index, (int, np.integer)):
+        import torch
+        if (isinstance(entry, torch.Tensor) and isinstance(update, torch.Tensor)
+                and not torch.compiler.is_compiling()):
+            out = entry.clone()
+            out[:, int(index):int(index) + update.shape[1]] = update
+            return out
+    start = [0, index] + [0] * (len(entry.shape) - 2)
+    return ops.slice_update(entry, start, update)
+
+
 def arange_int32(start, stop):
     """int32 [start, stop), also when ``stop - start`` is an exporter's symbolic size.
 
