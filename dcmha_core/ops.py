@@ -64,8 +64,9 @@ def rms_normalize(x, eps, scale=None):
 def as_dtype(x, dtype):
     """``ops.cast(x, dtype)``, skipped when ``x`` already has ``dtype`` (even a cast that
     changes nothing costs a Keras op per call in eager PyTorch: a decoding step has
-    dozens of them)."""
-    if keras.backend.standardize_dtype(x.dtype) == dtype:
+    dozens of them). A ``keras.Variable`` is always cast: callees get a backend tensor."""
+    if (not isinstance(x, keras.Variable)
+            and keras.backend.standardize_dtype(x.dtype) == dtype):
         return x
     return ops.cast(x, dtype)
 
@@ -145,23 +146,23 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
         "w1"/"w2" only with a projection, "dd" only with gating.
     """
     _check_dynamic_args(x, dw1, qkw, dd, slots, rank)
-    x = ops.cast(x, "float32")
+    x = as_dtype(x, "float32")
     out = {s: {} for s in slots}
+
+    def per_slot(name, w):                   # the C axis (3) split into one array per slot
+        for s, w_s in zip(slots, ops.unstack(w, len(slots), axis=3)):
+            out[s][name] = w_s
+
     if dw1 is not None:
-        h = ops.gelu(ops.einsum("bld,dgck->blgck", x, ops.cast(dw1, "float32")),
+        h = ops.gelu(ops.einsum("bld,dgck->blgck", x, as_dtype(dw1, "float32")),
                      approximate=gelu_approximate)
-        w = ops.einsum("blgck,gckrm->blgcrm", h, ops.cast(qkw, "float32"))
-        w1 = rms_normalize(w[..., :rank, :], W1_NORM_EPS)
-        w2 = w[..., rank:, :]
-        for c, s in enumerate(slots):
-            out[s]["w1"] = w1[:, :, :, c]
-            out[s]["w2"] = w2[:, :, :, c]
+        w = ops.einsum("blgck,gckrm->blgcrm", h, as_dtype(qkw, "float32"))
+        per_slot("w1", rms_normalize(w[..., :rank, :], W1_NORM_EPS))
+        per_slot("w2", w[..., rank:, :])
     if dd is not None:
         D, G, CM = dd.shape
-        dd4 = ops.reshape(ops.cast(dd, "float32"), (D, G, len(slots), CM // len(slots)))
-        g = ops.tanh(ops.einsum("bld,dgcm->blgcm", x, dd4))
-        for c, s in enumerate(slots):
-            out[s]["dd"] = g[:, :, :, c]
+        dd4 = ops.reshape(as_dtype(dd, "float32"), (D, G, len(slots), CM // len(slots)))
+        per_slot("dd", ops.tanh(ops.einsum("bld,dgcm->blgcm", x, dd4)))
     return out
 
 
@@ -794,7 +795,7 @@ def dcmha_attention(q, k, v, *, num_groups=1, pre=None, post=None, attention_mas
         return_intermediates=return_intermediates, auto_chunk=implementation == "auto")
     # Every implementation computes the composition in float32.
     call = dataclasses.replace(call, **{
-        name: {n: ops.cast(w, "float32") for n, w in terms.items()}
+        name: {n: as_dtype(w, "float32") for n, w in terms.items()}
         for name, terms in call.stages.items()})
     _, core = select_implementation(implementation, call)
     o, extras = core(call)
