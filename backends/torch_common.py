@@ -138,11 +138,8 @@ def full_mask(B, T, S, *, mask=None, causal=False, sliding_window=None, query_of
     out = torch.ones(B, T, S, dtype=torch.bool, device=device)
     if mask is not None:
         out = out & mask.to(device)
-    if causal:
-        out = out & (s <= t)
-    if sliding_window is not None:
-        out = out & ((t - s).abs() < sliding_window)
-    return out
+    rule = spec_terms.visible(t, s, causal=causal, window=sliding_window)
+    return out if rule is True else out & rule
 
 
 def attention_reference(q, k, v, *, num_groups, pre=None, post=None, mask=None, causal=False,

@@ -21,6 +21,7 @@ from typing import Dict, Mapping, Optional
 
 import numpy as np
 
+from . import terms
 from .terms import stage_terms
 
 SPEC_VERSION = "1.0.0"
@@ -404,10 +405,9 @@ def make_mask(B: int, T: int, S: int, *, attention_mask: Optional[np.ndarray] = 
     s = np.arange(S)[None, :]
     if attention_mask is not None:
         mask &= np.broadcast_to(np.asarray(attention_mask, dtype=bool), (B, T, S))
-    if use_causal_mask:
-        mask &= (s <= t)[None]
-    if sliding_window is not None:
-        mask &= (np.abs(t - s) < sliding_window)[None]
+    rule = terms.visible(t, s, causal=bool(use_causal_mask), window=sliding_window)
+    if rule is not True:
+        mask &= rule[None]
     return mask
 
 

@@ -155,9 +155,20 @@ def key_range(t0: int, t1: int, S: int, *, causal: bool, window: Optional[int],
     return s0, s1
 
 
-def visible(t: int, s: int, *, causal: bool, window: Optional[int], offset: int = 0) -> bool:
-    """Whether query t (at absolute position offset + t) may see key s (scalar rule)."""
+def visible(t, s, *, causal: bool, window: Optional[int], offset=0):
+    """Whether query t (at absolute position offset + t) may see key s.
+
+    The one position rule of every mask: causal, s <= offset + t; window W,
+    |offset + t - s| < W. ``t`` and ``s`` are ints (the result is a bool) or
+    integer arrays of any array library that broadcast together (the result is
+    their boolean array, through the operators ``<=``, ``abs``, ``<`` and ``&``
+    only). ``True`` (the Python bool) when neither rule applies.
+    """
     pos = offset + t
-    if causal and s > pos:
-        return False
-    return window is None or abs(pos - s) < window
+    vis = True
+    if causal:
+        vis = s <= pos
+    if window is not None:
+        band = abs(pos - s) < window
+        vis = band if vis is True else vis & band
+    return vis

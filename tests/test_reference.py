@@ -180,6 +180,23 @@ def test_sliding_window_semantics(W, offset):
         assert causal[t].sum() == min(W, pos + 1)      # W keys ending at pos, itself included
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, 1, 3])
+def test_visible_rule_on_arrays_is_the_scalar_rule(causal, window):
+    # spec.terms.visible is the one position rule of every mask (reference, kernels'
+    # references, decode step): on arrays it must give the scalar rule elementwise.
+    t, s = np.arange(6)[:, None], np.arange(9)[None, :]
+    rule = spec_terms.visible(t, s, causal=causal, window=window, offset=2)
+    scalar = np.array([[spec_terms.visible(a, b, causal=causal, window=window, offset=2)
+                        for b in range(9)] for a in range(6)])
+    if not causal and window is None:
+        assert rule is True and scalar.all()
+    else:
+        assert rule.dtype == bool and rule.shape == (6, 9)
+        np.testing.assert_array_equal(rule, scalar)
+        assert not scalar.all()
+
+
 def test_sliding_window_in_attention():
     cfg = ref.Config(num_heads=4, key_dim=8, sliding_window=3)
     p = _scaled_params(cfg, 12)

@@ -922,10 +922,9 @@ def dcmha_attention_reference(q, k, v, *, num_groups: int, pre=None, post=None, 
     allowed = jnp.ones((B, T, S), bool)
     if mask is not None:
         allowed &= jnp.asarray(mask, bool)
-    if causal:
-        allowed &= s <= t
-    if sliding_window is not None:
-        allowed &= jnp.abs(t - s) < sliding_window
+    rule = spec_terms.visible(t, s, causal=causal, window=sliding_window)
+    if rule is not True:
+        allowed &= rule
     m = allowed[:, None]
     # Masked entries never reach exp (their scores may be anything): no inf/NaN
     # in the values or the gradients; a fully masked row divides 0 by 1.

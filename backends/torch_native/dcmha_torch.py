@@ -212,13 +212,8 @@ def _visibility(pb: _Problem, mask, t0, t1, s0, s1, device):
         return [(a, _bias(s > t)[None, :, None, :])], None
     t = torch.arange(t0 + off, t1 + off, device=device)[:, None]
     s = torch.arange(s0, s1, device=device)[None, :]
-    vis = None
-    if pb.causal:
-        vis = s <= t
-    if pb.window is not None:
-        band = (t - s).abs() < pb.window
-        vis = band if vis is None else vis & band
-    vis = None if vis is None else vis[:, None, :]                    # (t, 1, s)
+    vis = spec_terms.visible(t, s, causal=pb.causal, window=pb.window)
+    vis = None if vis is True else vis[:, None, :]                    # (t, 1, s)
     if mask is not None:
         m = mask
         if m.shape[1] != 1:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 
+from dcmha.spec import terms as spec_terms
+
 
 def preferred(call):
     """``"auto"`` takes this path for one-query calls (decoding steps)."""
@@ -35,12 +37,8 @@ def _visible(call, S, device):
         offset = call.query_offset
         pos = (offset.reshape(()).to(device=device, dtype=torch.int64) if hasattr(offset, "shape")
                else torch.tensor(int(offset), device=device))
-        s = torch.arange(S, device=device)
-        vis = torch.ones(S, dtype=torch.bool, device=device)
-        if call.use_causal_mask:
-            vis = vis & (s <= pos)
-        if call.sliding_window is not None:
-            vis = vis & ((pos - s).abs() < call.sliding_window)
+        vis = spec_terms.visible(pos, torch.arange(S, device=device),
+                                 causal=bool(call.use_causal_mask), window=call.sliding_window)
         vis = vis.reshape(1, 1, S)
     mask = dops.standardize_mask(call.attention_mask)     # (B|1, T|1, S|1) or None
     if mask is not None:
@@ -64,7 +62,6 @@ def _one_query(call):
     import torch
 
     from dcmha import ops as dops
-    from dcmha.spec import terms as spec_terms
     q, k, v = (torch.as_tensor(x).to(torch.float32) for x in (call.q, call.k, call.v))
     B, _, N, d = q.shape
     S, N_kv, d_v = k.shape[1], k.shape[2], v.shape[3]

@@ -208,10 +208,9 @@ def dcmha_attention_reference(q, k, v, *, num_groups, pre=None, post=None, mask=
     allowed = tf.ones([B, T, S], tf.bool)
     if mask is not None:
         allowed &= tf.broadcast_to(mask, [B, T, S])
-    if causal:
-        allowed &= (s <= t)[None]
-    if sliding_window is not None:
-        allowed &= (tf.abs(t - s) < sliding_window)[None]
+    rule = spec_terms.visible(t, s, causal=causal, window=sliding_window)
+    if rule is not True:
+        allowed &= rule[None]
     m = allowed[:, None]
     amax = tf.reduce_max(tf.where(m, a, -math.inf), axis=-1, keepdims=True)
     amax = tf.stop_gradient(tf.where(tf.math.is_finite(amax), amax, 0.0))
