@@ -348,6 +348,7 @@ class DynamicWeightProjection(keras.layers.Layer):
             raise ValueError("The last dimension of the input of DynamicWeightProjection must "
                              f"be defined. Received: input_shape={input_shape}")
         G, M, R, K, C = self._cfg.G, self._cfg.M, self._cfg.R, self._cfg.K, len(self.slots)
+        self._input_dim = D
         seed = (lambda i: None) if self.seed is None else (lambda i: self.seed + i)
         normal = keras.initializers.RandomNormal
         self.dw1 = self.qkw = self.dd = None
@@ -378,8 +379,11 @@ class DynamicWeightProjection(keras.layers.Layer):
                 D, G, CM = self.dd.shape
                 dd4 = ops.reshape(self.dd, (D, G, len(self.slots), CM // len(self.slots)))
                 dd = ops.reshape(ops.take(dd4, idx, axis=2), (D, G, -1))
+        if len(inputs.shape) != 3 or inputs.shape[-1] not in (None, self._input_dim):
+            raise ValueError("The input of DynamicWeightProjection must have shape (B, L, D) "
+                             f"with D={self._input_dim}. Received: shape={tuple(inputs.shape)}")
         return dops.dynamic_weights(inputs, dw1, qkw, dd, slots=slots, rank=self.rank,
-                                    gelu_approximate=self.gelu_approximate)
+                                    gelu_approximate=self.gelu_approximate, check=False)
 
     def compute_mask(self, inputs, previous_mask=None):
         # Per-position weights: the DCMHA layer consumes the inputs' Keras masks.
@@ -1069,6 +1073,16 @@ class DCMHA(keras.layers.Layer):
         return clamped, ops.not_equal(clamped, index)
 
     @staticmethod
+    def _dynamic_weights(projection, x, slots=None):
+        """A built ``DynamicWeightProjection``'s weights for ``x`` through its ``call``,
+        with the input cast ``__call__`` would make (its compute dtype): Keras's
+        per-call machinery costs about 0.1 ms per decoding step in eager PyTorch, and
+        the sublayer has nothing else for it to do (float32 weights, no mask)."""
+        if not projection.built:
+            return projection(x, slots=slots)
+        return projection.call(dops.as_dtype(x, projection.compute_dtype), slots=slots)
+
+    @staticmethod
     def _project(dense, x):
         # The sublayer's own __call__ casts to its compute dtype (also when
         # compute_intermediates bypasses this layer's __call__).
@@ -1176,20 +1190,22 @@ class DCMHA(keras.layers.Layer):
 
         # Dynamic weights: query-side slots read `query`, key-side slots `key`.
         read_only = cache is not None and cache_update_index is None
+        dynamic = self._dynamic_weights
         if c.cross_attention:
-            qdyn = self.query_dynamic_projection(query) if self.query_dynamic_projection else {}
-            kdyn = (self.key_dynamic_projection(key)
+            qdyn = (dynamic(self.query_dynamic_projection, query)
+                    if self.query_dynamic_projection else {})
+            kdyn = (dynamic(self.key_dynamic_projection, key)
                     if self.key_dynamic_projection and not read_only else {})
         elif not self._slots:
             qdyn, kdyn = {}, {}
         elif self_attention and not read_only:
-            dyn = self.dynamic_projection_layer(query)
+            dyn = dynamic(self.dynamic_projection_layer, query)
             qdyn = {s: dyn[s] for s in self._query_slots}
             kdyn = {s: dyn[s] for s in self._key_slots}
         else:
             proj = self.dynamic_projection_layer
-            qdyn = proj(query, slots=self._query_slots) if self._query_slots else {}
-            kdyn = (proj(key, slots=self._key_slots)
+            qdyn = dynamic(proj, query, self._query_slots) if self._query_slots else {}
+            kdyn = (dynamic(proj, key, self._key_slots)
                     if self._key_slots and not read_only else {})
 
         new_cache = None

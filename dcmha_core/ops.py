@@ -61,14 +61,43 @@ def rms_normalize(x, eps, scale=None):
     return y if scale is None else y * scale
 
 
+#: dtype object -> Keras's name for it (``keras.backend.standardize_dtype`` costs more
+#: than the cast it would save on a hot path; the dtype objects of a process are few).
+_DTYPE_NAMES = {}
+
+
+def _dtype_name(dtype):
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):            # TypeError: an unhashable dtype object
+        name = keras.backend.standardize_dtype(dtype)
+        try:
+            _DTYPE_NAMES[dtype] = name
+        except TypeError:
+            pass
+        return name
+
+
 def as_dtype(x, dtype):
     """``ops.cast(x, dtype)``, skipped when ``x`` already has ``dtype`` (even a cast that
     changes nothing costs a Keras op per call in eager PyTorch: a decoding step has
     dozens of them). A ``keras.Variable`` is always cast: callees get a backend tensor."""
-    if (not isinstance(x, keras.Variable)
-            and keras.backend.standardize_dtype(x.dtype) == dtype):
+    if not isinstance(x, keras.Variable) and _dtype_name(x.dtype) == dtype:
         return x
     return ops.cast(x, dtype)
+
+
+def _eager_torch(*arrays):
+    """PyTorch's module when every array is an eager torch tensor (Keras's torch
+    backend, outside ``torch.compile``), else None. The hot paths of a decoding step
+    then call PyTorch directly: a ``keras.ops`` call costs about twice the PyTorch op
+    it wraps (argument conversions), and a step is dispatch-bound."""
+    if keras.backend.backend() != "torch":
+        return None
+    import torch
+    if torch.compiler.is_compiling() or not all(isinstance(a, torch.Tensor) for a in arrays):
+        return None
+    return torch
 
 
 def write_slice(entry, index, update):
@@ -77,14 +106,11 @@ def write_slice(entry, index, update):
     with a Python int index, it does the same clone and assignment as Keras's own but
     without Keras's per-op conversions (a decoding step writes eight cache entries per
     layer)."""
-    update = as_dtype(update, keras.backend.standardize_dtype(entry.dtype))
-    if keras.backend.backend() == "torch" and isinstance(index, (int, np.integer)):
-        import torch
-        if (isinstance(entry, torch.Tensor) and isinstance(update, torch.Tensor)
-                and not torch.compiler.is_compiling()):
-            out = entry.clone()
-            out[:, int(index):int(index) + update.shape[1]] = update
-            return out
+    update = as_dtype(update, _dtype_name(entry.dtype))
+    if isinstance(index, (int, np.integer)) and _eager_torch(entry, update) is not None:
+        out = entry.clone()
+        out[:, int(index):int(index) + update.shape[1]] = update
+        return out
     start = [0, index] + [0] * (len(entry.shape) - 2)
     return ops.slice_update(entry, start, update)
 
@@ -131,7 +157,8 @@ def rope(x, positions, max_wavelength):
 # Dynamic weights
 # ---------------------------------------------------------------------------
 
-def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approximate=True):
+def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approximate=True,
+                    check=True):
     """Input-dependent composition weights, in float32.
 
     Args:
@@ -140,12 +167,21 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
         dd: (D, G, C*M) or None (gating). C = len(slots).
         slots: slot names, in the order of the C axis.
         rank: R.
+        check: validate the arguments' shapes (``DynamicWeightProjection``, which
+            created the weights, passes False: the checks cost a decoding step
+            more than the arithmetic).
 
     Returns:
         ``{slot: {"w1": (B, L, G, R, M), "w2": (B, L, G, R, M), "dd": (B, L, G, M)}}``;
         "w1"/"w2" only with a projection, "dd" only with gating.
     """
-    _check_dynamic_args(x, dw1, qkw, dd, slots, rank)
+    if check:
+        _check_dynamic_args(x, dw1, qkw, dd, slots, rank)
+    weights = [w.value if isinstance(w, keras.Variable) else w for w in (dw1, qkw, dd)]
+    torch = _eager_torch(x, *(w for w in weights if w is not None))
+    if torch is not None:
+        return _dynamic_weights_torch(torch, x, *weights, slots=slots, rank=rank,
+                                      gelu_approximate=gelu_approximate)
     x = as_dtype(x, "float32")
     out = {s: {} for s in slots}
 
@@ -163,6 +199,36 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
         D, G, CM = dd.shape
         dd4 = ops.reshape(as_dtype(dd, "float32"), (D, G, len(slots), CM // len(slots)))
         per_slot("dd", ops.tanh(ops.einsum("bld,dgcm->blgcm", x, dd4)))
+    return out
+
+
+def _dynamic_weights_torch(torch, x, dw1, qkw, dd, *, slots, rank, gelu_approximate):
+    """``dynamic_weights`` in eager PyTorch: the same arithmetic as matmuls (a
+    ``keras.ops.einsum`` costs about five times a small ``torch.matmul`` here)."""
+    B, L, D = x.shape
+    x2 = x.to(torch.float32).reshape(B * L, D)
+    C = len(slots)
+    out = {s: {} for s in slots}
+
+    def per_slot(name, w):
+        for s, w_s in zip(slots, w.unbind(3)):
+            out[s][name] = w_s
+
+    if dw1 is not None:
+        G, K = dw1.shape[1], dw1.shape[3]
+        h = torch.nn.functional.gelu(x2 @ dw1.to(torch.float32).reshape(D, G * C * K),
+                                     approximate="tanh" if gelu_approximate else "none")
+        M = qkw.shape[-1]
+        w = torch.bmm(h.reshape(B * L, G * C, K).transpose(0, 1),           # (GC, BL, K)
+                      qkw.to(torch.float32).reshape(G * C, K, 2 * rank * M))
+        w = w.transpose(0, 1).reshape(B, L, G, C, 2 * rank, M)
+        w1 = w[..., :rank, :]
+        per_slot("w1", w1 * torch.rsqrt(w1.square().mean(-1, keepdim=True) + W1_NORM_EPS))
+        per_slot("w2", w[..., rank:, :])
+    if dd is not None:
+        G, CM = dd.shape[1], dd.shape[2]
+        g = torch.tanh(x2 @ dd.to(torch.float32).reshape(D, G * CM))
+        per_slot("dd", g.reshape(B, L, G, C, CM // C))
     return out
 
 

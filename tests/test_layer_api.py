@@ -108,6 +108,17 @@ def test_dynamic_projection_rejects_bad_slots():
         DynamicWeightProjection(("pre_value",), num_heads=4)
 
 
+def test_dynamic_projection_rejects_another_width_after_build():
+    proj = DynamicWeightProjection(("pre_query", "pre_key"), num_heads=4)
+    x = np.zeros((2, 3, 8), "float32")
+    out = proj(x)
+    assert tuple(out["pre_key"]["w1"].shape) == (2, 3, 1, 2, 4)
+    with pytest.raises(ValueError, match=re.escape(
+            "The input of DynamicWeightProjection must have shape (B, L, D) with D=8. "
+            "Received: shape=(2, 3, 6)")):
+        proj(np.zeros((2, 3, 6), "float32"))
+
+
 # ---------------------------------------------------------------------------
 # Config and saving
 # ---------------------------------------------------------------------------
