@@ -203,8 +203,10 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
 
 
 def _dynamic_weights_torch(torch, x, dw1, qkw, dd, *, slots, rank, gelu_approximate):
-    """``dynamic_weights`` in eager PyTorch: the same arithmetic as matmuls (a
-    ``keras.ops.einsum`` costs about five times a small ``torch.matmul`` here)."""
+    """``dynamic_weights`` in eager PyTorch: the same arithmetic as two matmuls with x
+    and a broadcast product for qkw (a ``keras.ops.einsum`` costs about five times a
+    small ``torch.matmul`` here, and a small ``torch.bmm`` enters an OpenMP parallel
+    region whatever its size: 80 us with ``OMP_WAIT_POLICY=PASSIVE``)."""
     B, L, D = x.shape
     x2 = x.to(torch.float32).reshape(B * L, D)
     C = len(slots)
@@ -219,9 +221,9 @@ def _dynamic_weights_torch(torch, x, dw1, qkw, dd, *, slots, rank, gelu_approxim
         h = torch.nn.functional.gelu(x2 @ dw1.to(torch.float32).reshape(D, G * C * K),
                                      approximate="tanh" if gelu_approximate else "none")
         M = qkw.shape[-1]
-        w = torch.bmm(h.reshape(B * L, G * C, K).transpose(0, 1),           # (GC, BL, K)
-                      qkw.to(torch.float32).reshape(G * C, K, 2 * rank * M))
-        w = w.transpose(0, 1).reshape(B, L, G, C, 2 * rank, M)
+        w = (h.reshape(B * L, G * C, K, 1)                                 # sum over K
+             * qkw.to(torch.float32).reshape(G * C, K, 2 * rank * M)).sum(2)
+        w = w.reshape(B, L, G, C, 2 * rank, M)
         w1 = w[..., :rank, :]
         per_slot("w1", w1 * torch.rsqrt(w1.square().mean(-1, keepdim=True) + W1_NORM_EPS))
         per_slot("w2", w[..., rank:, :])

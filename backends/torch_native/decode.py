@@ -65,19 +65,23 @@ _LOW_RANK_TERMS = frozenset({"qw1", "qw2", "qdd", "kw1", "kw2", "kdd", "static"}
 def _compose_low_rank(x, terms):
     """Compose of one query, x (B, G, M, S) -> same: the arithmetic of
     ``dcmha.ops.decode_compose`` (each term as ``spec.terms`` declares it, the
-    residual included) written with matmuls and broadcast products instead of
-    einsums, which cost several times more per call at these sizes. Query side:
-    out += qw2^T (qw1 x) + qdd * x + static^T x (per group); key side, per key s:
-    out[n, s] += sum_r kw2[s, r, n] sum_m kw1[s, r, m] x[m, s] + kdd[s, n] x[n, s].
+    residual included) written as broadcast products and sums. Not einsums, which
+    cost several times more per call at these sizes, nor small matmuls: a small
+    ``torch.matmul``/``bmm`` enters an OpenMP parallel region whatever its size
+    (about 100 us each with ``OMP_WAIT_POLICY=PASSIVE``), an elementwise op only
+    above PyTorch's grain size. Query side: out += qw2^T (qw1 x) + qdd * x +
+    static^T x (per group); key side, per key s: out[n, s] += sum_r kw2[s, r, n]
+    sum_m kw1[s, r, m] x[m, s] + kdd[s, n] x[n, s].
     """
     out = x
-    if "qw1" in terms:                                   # (B, 1, G, R, M) -> (B, G, R, M)
-        qw1, qw2 = terms["qw1"][:, 0], terms["qw2"][:, 0]
-        out = out + qw2.transpose(-1, -2) @ (qw1 @ x)
+    if "qw1" in terms:                                   # (B, 1, G, R, M) -> (B, G, R, M, 1)
+        qw1, qw2 = terms["qw1"][:, 0, ..., None], terms["qw2"][:, 0, ..., None]
+        h = (qw1 * x[:, :, None]).sum(3)                                  # (B, G, R, S)
+        out = out + (qw2 * h[:, :, :, None]).sum(2)
     if "qdd" in terms:                                   # (B, 1, G, M) -> (B, G, M, 1)
         out = out + terms["qdd"][:, 0, :, :, None] * x
     if "static" in terms:                                # (G, M, M): static[g, m, n]
-        out = out + terms["static"].transpose(-1, -2) @ x
+        out = out + (terms["static"][..., None] * x[:, :, :, None]).sum(2)
     if "kw1" in terms:                                   # (B, S, G, R, M) -> (B, G, R, M, S)
         kw1 = terms["kw1"].permute(0, 2, 3, 4, 1)
         kw2 = terms["kw2"].permute(0, 2, 3, 4, 1)
