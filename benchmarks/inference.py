@@ -32,7 +32,11 @@ table) and stores its JSON result under "onnx".
 
 OMP_WAIT_POLICY=PASSIVE is set unless the environment sets it (as in
 layer_step.py: eager PyTorch's many small ops otherwise wait on descheduled
-spinning threads on a shared machine).
+spinning threads on a shared machine); ``--omp-wait-policy keep`` leaves it
+alone (OpenMP's default: what a user gets), ``--omp-wait-policy ACTIVE`` sets
+that. The torch figures depend on it: with PASSIVE every op that enters an
+OpenMP parallel region (PyTorch's bmm and softmax do at any size) wakes the
+sleeping worker threads, 50-100 us each. Each row records the policy.
 """
 
 from __future__ import annotations
@@ -227,7 +231,8 @@ def worker(cases, repeats):
     for name in cases:
         load = _load()
         row = (_lm_case if name in LM_CASES else _layer_case)(name, repeats)
-        row.update(backend=keras.backend.backend(), load_before=load, load_after=_load())
+        row.update(backend=keras.backend.backend(), load_before=load, load_after=_load(),
+                   omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -237,10 +242,15 @@ def worker(cases, repeats):
 # Driver side
 # ---------------------------------------------------------------------------
 
+#: ``--omp-wait-policy`` of the driver (a list, so main can set it).
+OMP_WAIT_POLICY = ["PASSIVE"]
+
+
 def _run_backend(backend, argv_tail, tmp):
     out = os.path.join(tmp, f"{backend}.json")
     env = dict(os.environ, KERAS_BACKEND=backend)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if OMP_WAIT_POLICY[0] != "keep":
+        env.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY[0])
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--json", out] + argv_tail
     proc = subprocess.run(cmd, env=env)
     if proc.returncode or not os.path.exists(out):
@@ -282,6 +292,9 @@ def main(argv=None) -> int:
                     help="decode cases: lm1024, lm256, layer<D> (e.g. layer2560, layer256)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None, help="write every row here")
+    ap.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE", "keep"),
+                    help="OMP_WAIT_POLICY for the workers if the environment does not set it: "
+                         "PASSIVE (default), ACTIVE, or keep (leave it unset)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -301,6 +314,7 @@ def main(argv=None) -> int:
     bad = sorted(set(backends) - set(BACKENDS))
     if bad:
         ap.error(f"unknown backends {bad}: use {','.join(BACKENDS)}")
+    OMP_WAIT_POLICY[0] = args.omp_wait_policy
     result = {"load_start": _load()}
     with tempfile.TemporaryDirectory() as tmp:
         if args.section in ("decode", "all"):
@@ -311,7 +325,8 @@ def main(argv=None) -> int:
             result["onnx"] = onnx_section(backends, args.repeats, tmp)
     result["load_end"] = _load()
     print(f"load average (1 min): {result['load_start']:.1f} at start, "
-          f"{result['load_end']:.1f} at end")
+          f"{result['load_end']:.1f} at end; OMP_WAIT_POLICY of the workers: "
+          f"{os.environ.get('OMP_WAIT_POLICY') or (None if args.omp_wait_policy == 'keep' else args.omp_wait_policy)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

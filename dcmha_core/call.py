@@ -31,7 +31,10 @@ def _size(s) -> Optional[int]:
 
 def shape_of(x) -> tuple:
     """The static shape of an array-like as a tuple (None for unknown sizes)."""
-    return tuple(_size(s) for s in x.shape)
+    shape = tuple(x.shape)
+    if all(type(s) is int for s in shape):     # the common case, without a call per size
+        return shape
+    return tuple(_size(s) for s in shape)
 
 
 def _fits(shape, expected) -> bool:

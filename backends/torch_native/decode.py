@@ -82,14 +82,17 @@ def _compose_low_rank(x, terms):
         out = out + terms["qdd"][:, 0, :, :, None] * x
     if "static" in terms:                                # (G, M, M): static[g, m, n]
         out = out + (terms["static"][..., None] * x[:, :, :, None]).sum(2)
-    if "kw1" in terms:                                   # (B, S, G, R, M) -> (B, G, R, M, S)
-        kw1 = terms["kw1"].permute(0, 2, 3, 4, 1)
-        kw2 = terms["kw2"].permute(0, 2, 3, 4, 1)
-        y = (kw1 * x[:, :, None]).sum(3)                              # (B, G, R, S)
-        out = out + (kw2 * y[:, :, :, None]).sum(2)
-    if "kdd" in terms:                                   # (B, S, G, M) -> (B, G, M, S)
-        out = out + terms["kdd"].permute(0, 2, 3, 1) * x
-    return out
+    # The key side in the cache's own layout (B, S, G, ...): products of contiguous
+    # weights with a strided view of the small x, one transposed add at the end.
+    xs = x.permute(0, 3, 1, 2)                                            # (B, S, G, M)
+    key = None
+    if "kw1" in terms:                                   # (B, S, G, R, M)
+        y = (terms["kw1"] * xs[:, :, :, None]).sum(-1)                    # (B, S, G, R)
+        key = (terms["kw2"] * y[..., None]).sum(3)                        # (B, S, G, M)
+    if "kdd" in terms:                                   # (B, S, G, M)
+        part = terms["kdd"] * xs
+        key = part if key is None else key + part
+    return out if key is None else out + key.permute(0, 2, 3, 1)
 
 
 def _one_query(call):
