@@ -44,6 +44,7 @@ BUILT_INS = {
     "jax_cpu": "dcmha.backends.jax_cpu:IMPLEMENTATION",
     "tf_cpu": "dcmha.backends.tf_cpu:IMPLEMENTATION",
     "xla": "dcmha.backends.xla:IMPLEMENTATION",
+    "tf_decode": "dcmha.backends.xla:DECODE_IMPLEMENTATION",
 }
 #: Where each built-in runs and how "auto" takes it: (backend, devices, auto_devices,
 #: priority, min_length_product). What each lacks is pinned by its own tests (and dropout
@@ -57,6 +58,7 @@ DECLARED = {
     "jax_cpu": ("jax", {"cpu"}, {"cpu"}, 10, 8192),
     "tf_cpu": ("tensorflow", {"cpu"}, {"cpu"}, 20, 8192),
     "xla": ("tensorflow", {"cpu", "gpu"}, {"cpu", "gpu"}, 10, 0),
+    "tf_decode": ("tensorflow", {"cpu", "gpu"}, {"cpu"}, 25, 0),
 }
 CAPABILITIES = ["attention_scores", "dropout", "head_masks", "intermediates", "query_offset",
                 "symbolic_shapes", "traced_offset"]
@@ -401,7 +403,8 @@ def expected_rows(size):
         rows = [("triton", AUTO_GPU_ONLY), ("torch_decode", "not preferred for this call"),
                 ("torch", AUTO_SMALL.format(size * size) if small else None)]
     elif BACKEND == "tensorflow":
-        rows = [("tf_cpu", AUTO_SMALL.format(size * size) if small else _kernel_row("tf_cpu"))]
+        rows = [("tf_decode", "not preferred for this call"),
+                ("tf_cpu", AUTO_SMALL.format(size * size) if small else _kernel_row("tf_cpu"))]
         if rows[-1][1] is not None:       # eager: "xla" only when TensorFlow traces a graph
             rows.append(("xla", "not preferred for this call"))
     else:
@@ -437,7 +440,13 @@ def test_explain_in_a_traced_tensorflow_function():
     rows = []
     x = np.zeros((1, SMALL, 2, 4), np.float32)
     tf.function(lambda a: rows.append(dops.explain_implementation(a, a, a)) or a)(x)
-    assert rows == [[("tf_cpu", AUTO_SMALL.format(SMALL * SMALL)), ("xla", None)]]
+    assert rows == [[("tf_decode", "not preferred for this call"),
+                     ("tf_cpu", AUTO_SMALL.format(SMALL * SMALL)), ("xla", None)]]
+    # One query (a decoding step) traced into a graph: the compiled one-query step.
+    rows.clear()
+    q = np.zeros((1, 1, 2, 4), np.float32)
+    tf.function(lambda a, b: rows.append(dops.explain_implementation(a, b, b)) or a)(q, x)
+    assert rows == [[("tf_decode", None)]]
 
 
 def test_auto_checks_the_declared_rules_before_the_module(toy):

@@ -22,24 +22,33 @@ from test_layer_numerics import assert_close, np_
 
 BACKEND = keras.backend.backend()
 #: The implementations with a one-query path on this backend (forced by name).
-IMPLEMENTATIONS = ["ops"] + (["torch_decode"] if BACKEND == "torch" else [])
+IMPLEMENTATIONS = ["ops"] + {"torch": ["torch_decode"], "tensorflow": ["tf_decode"]}.get(BACKEND, [])
 
 
 @pytest.fixture
 def one_query_calls(monkeypatch):
     """The number of calls of the one-query path (a list to read after the calls)."""
-    calls = []
-    # The one-query paths: the "ops" core's, and on torch the "torch_decode" implementation's
-    # (which "auto" takes there for T = 1).
+    calls, depth = [], [0]
+    # The one-query paths: the "ops" core's, and the "torch_decode" / "tf_decode"
+    # implementations' (which "auto" takes for T = 1 on torch, and in a traced graph on
+    # tensorflow). tf_decode compiles the "ops" one-query path: a call counts once.
     paths = [(dops, "_attention_one_query")]
     if BACKEND == "torch":
         from dcmha.backends.torch_native import decode
         paths.append((decode, "_one_query"))
+    elif BACKEND == "tensorflow":
+        from dcmha.backends.xla import decode
+        paths.append((decode, "_one_query"))
 
     def spy(inner):
         def run(*args, **kwargs):
-            calls.append(1)
-            return inner(*args, **kwargs)
+            if not depth[0]:
+                calls.append(1)
+            depth[0] += 1
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                depth[0] -= 1
         return run
 
     for module, name in paths:

@@ -10,7 +10,7 @@ from dcmha.registry import Implementation
 from .dcmha_xla import (dcmha_attention, dcmha_attention_reference,
                         default_query_chunk_size, is_available)
 
-__all__ = ["IMPLEMENTATION", "dcmha_attention", "dcmha_attention_reference", "default_query_chunk_size",
+__all__ = ["IMPLEMENTATION", "DECODE_IMPLEMENTATION", "dcmha_attention", "dcmha_attention_reference", "default_query_chunk_size",
            "is_available"]
 
 IMPLEMENTATION = Implementation(
@@ -20,3 +20,13 @@ IMPLEMENTATION = Implementation(
                      "query_offset"}),
     priority=10,
     description="one query-chunked jit_compile=True TensorFlow function")
+
+#: One decoding step (T = 1) as one XLA-compiled function of the plain core's
+#: one-query path (``decode``): "auto" takes it for one-query calls traced into a
+#: TensorFlow graph on CPU; other calls go to "ops".
+DECODE_IMPLEMENTATION = Implementation(
+    name="tf_decode", backend="tensorflow", module="dcmha.backends.xla.decode",
+    devices=frozenset({"cpu", "gpu"}), auto_devices=frozenset({"cpu"}),
+    lacks=frozenset({"intermediates", "dropout", "symbolic_shapes"}), priority=25,
+    description="one decoding step (T = 1): the plain core's one-query path, "
+                "XLA-compiled; other calls run the plain core")

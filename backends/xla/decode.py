@@ -1,0 +1,73 @@
+"""One decoding step for TensorFlow, XLA-compiled: the "tf_decode" implementation.
+
+A cached decoding step is one query against S cached keys (T = 1): a few small
+products per head group. In a TensorFlow graph each op costs about 10 us to
+dispatch whatever its size (an ``Einsum`` node about 25 us), and the two
+composes of a step are some 25 ops, so on a CPU they cost more than the scores
+and P.V together. This implementation runs the plain core's one-query path
+(``dcmha.ops``: scores, both composes with the key-side terms in low-rank form,
+the masked softmax, P.V) as one ``tf.function(jit_compile=True)``: XLA fuses it
+into a few kernels. The arithmetic and the masking rules are the plain core's
+(it is that code, compiled): masked probabilities are exactly 0, and a query
+that sees no key outputs 0.
+
+Only the core is compiled. The projections around it (the q, k, v and output
+matmuls, the dynamic weights) stay in the caller's graph: XLA's CPU
+matrix-vector products are slower than TensorFlow's (a whole step compiled with
+``jit_compile=True`` ran 5x slower at D=1024: benchmarks/RESULTS.md).
+
+``"auto"`` takes it for one-query calls made while TensorFlow traces a graph (a
+``tf.function``, e.g. ``DCFormerLM.generate``'s step or Keras ``predict``).
+Eager calls keep the plain core: each new shape or configuration compiles an
+XLA program, which costs more than one eager call saves. Any other call that
+names it (more than one query, dropout in training, returned scores or
+intermediates) runs the plain core, ``dcmha.ops.attention``.
+"""
+
+from __future__ import annotations
+
+_STEP = []       # the compiled step, made on first use (importing TensorFlow then)
+
+
+def preferred(call) -> bool:
+    """``"auto"`` takes this path for one-query calls traced into a graph."""
+    if call.T != 1 or call.S is None:
+        return False
+    import tensorflow as tf
+    return not tf.executing_eagerly()
+
+
+def _compiled_step():
+    if not _STEP:
+        import tensorflow as tf
+
+        from dcmha import ops as dops
+
+        def step(q, k, v, pre, post, mask, offset, num_groups, causal, window):
+            return dops.dcmha_attention(
+                q, k, v, num_groups=num_groups, pre=pre or None, post=post or None,
+                attention_mask=mask, use_causal_mask=causal, sliding_window=window,
+                query_offset=offset, implementation="ops")
+
+        _STEP.append(tf.function(step, jit_compile=True, autograph=False))
+    return _STEP[0]
+
+
+def attention(call):
+    """(o (B, 1, N, d_v) float32, {}) for a one-query call; any other call through the
+    plain core (``dcmha.ops.attention``)."""
+    from dcmha import ops as dops
+    if call.T != 1 or call.return_attention_scores or call.return_intermediates or (
+            call.training and call.dropout_rate > 0.0):
+        return dops.attention(call)
+    return _one_query(call), {}
+
+
+def _one_query(call):
+    """o (B, 1, N, d_v) float32 of a one-query call, through the compiled step."""
+    import tensorflow as tf
+    # The offset as a tensor: a new Python int must not compile a new program.
+    offset = tf.cast(call.query_offset, tf.int32)
+    return _compiled_step()(call.q, call.k, call.v, dict(call.pre or {}),
+                            dict(call.post or {}), call.attention_mask, offset,
+                            call.num_groups, bool(call.use_causal_mask), call.sliding_window)
