@@ -81,8 +81,9 @@ def _dtype_name(dtype):
 def as_dtype(x, dtype):
     """``ops.cast(x, dtype)``, skipped when ``x`` already has ``dtype`` (even a cast that
     changes nothing costs a Keras op per call in eager PyTorch: a decoding step has
-    dozens of them). A ``keras.Variable`` is always cast: callees get a backend tensor."""
-    if not isinstance(x, keras.Variable) and _dtype_name(x.dtype) == dtype:
+    dozens of them). Anything but a backend tensor (a ``keras.Variable``, a NumPy array)
+    is always cast: callees get a backend tensor."""
+    if keras.ops.is_tensor(x) and _dtype_name(x.dtype) == dtype:
         return x
     return ops.cast(x, dtype)
 
@@ -475,25 +476,41 @@ def key_range(t0, t1, S, *, use_causal_mask, sliding_window, query_offset):
                                 offset=query_offset)
 
 
-#: The key-side terms the one-query paths apply in low-rank form (see ``decode_compose``).
+#: The terms ``decode_compose`` applies in low-rank form (as products in its broadcast
+#: form); any other term of the spec goes through its factor (``compose_factors``).
+_LOW_RANK_TERMS = frozenset({"qw1", "qw2", "qdd", "kw1", "kw2", "kdd", "static"})
 _LOW_RANK_KEY_TERMS = ("kw1", "kw2", "kdd")
 
 
-def decode_compose(x, terms, M, *, einsum=None, matmul=None, eye=None):
+def decode_compose(x, terms, M, *, einsum=None, matmul=None, eye=None, reduce_sum=None,
+                   transpose=None):
     """Compose for one query: x (B, G, M, S) -> same (float32).
 
-    The query factor (one (M x M) matrix per query, ``query_compose_matrix``) is
-    one small matmul. The key-side terms are applied in their low-rank form,
-    sum_r kw2[s, r, n] (sum_m kw1[s, r, m] x[m, s]) + kdd[s, n] x[n, s]: 2 R M
-    + M multiply-adds per key instead of the M M of the (S, G, M, M) key factor
-    (which is never built); these read the cached (B, S, G, R, M) weights in
-    place. A key-factor term of the spec other than kw1 / kw2 / kdd goes through
-    its factor (``dcmha.spec.terms.compose_factors``).
+    The arithmetic of ``spec.terms`` (the residual included) for T = 1. The key-side
+    terms are applied in their low-rank form, read in place from the cached
+    (B, S, G, R, M) weights: sum_r kw2[s, r, n] (sum_m kw1[s, r, m] x[m, s]) +
+    kdd[s, n] x[n, s], 2 R M + M multiply-adds per key instead of the M M of the
+    (S, G, M, M) key factor, which is never built. A key-factor term of the spec
+    other than kw1 / kw2 / kdd goes through its factor
+    (``dcmha.spec.terms.compose_factors``).
 
-    einsum / matmul / eye: the array functions (default ``keras.ops``'s; the torch
-    path passes PyTorch's own, which skip Keras's per-op conversions).
+    Two forms of the same arithmetic, for two kinds of executor:
+
+    * einsum / matmul / eye (default ``keras.ops``'s): the query factor (one (M x M)
+      matrix per query, ``query_compose_matrix``) is one small matmul and the key
+      side einsums. For compiled steps (XLA: a dot is one efficient kernel, where
+      its broadcast product and sum ran 2.5x slower at M = 16).
+    * reduce_sum(a, axis) and transpose(a, axes) given (the torch path passes
+      PyTorch's own): every low-rank pair as broadcast products and sums, the key
+      side in the cache's own (B, S, G, ...) layout, out = x + qw2^T (qw1 x) + qdd
+      * x + static^T x + the key side. For eager dispatch: an einsum or a small
+      matmul costs several times a product there (a small torch ``bmm`` enters an
+      OpenMP parallel region whatever its size). With a term of the spec outside
+      ``_LOW_RANK_TERMS`` the call takes the einsum form.
     """
     einsum, matmul, eye = einsum or ops.einsum, matmul or ops.matmul, eye or _eye32
+    if reduce_sum is not None and terms.keys() <= _LOW_RANK_TERMS:
+        return _decode_compose_products(x, terms, reduce_sum, transpose)
     wq = spec_terms.compose_factors(terms, M, einsum=einsum, eye=eye, factors=("query",))[0]
     if wq is not None and len(wq.shape) == 5:               # (B, 1, G, M, M) per query
         wq = wq[:, 0]
@@ -508,6 +525,30 @@ def decode_compose(x, terms, M, *, einsum=None, matmul=None, eye=None):
     if other:
         wk = spec_terms.compose_factors(other, M, einsum=einsum, eye=eye, factors=("key",))[1]
         out = out + einsum("bsgnm,bgms->bgns", wk, x)
+    return out
+
+
+def _decode_compose_products(x, terms, reduce_sum, transpose):
+    """``decode_compose``'s broadcast form (see there), for the terms of ``_LOW_RANK_TERMS``."""
+    out = x
+    if "qw1" in terms:                                   # (B, 1, G, R, M) -> (B, G, R, M, 1)
+        qw1, qw2 = terms["qw1"][:, 0, ..., None], terms["qw2"][:, 0, ..., None]
+        h = reduce_sum(qw1 * x[:, :, None], 3)                                # (B, G, R, S)
+        out = out + reduce_sum(qw2 * h[:, :, :, None], 2)
+    if "qdd" in terms:                                   # (B, 1, G, M) -> (B, G, M, 1)
+        out = out + terms["qdd"][:, 0, :, :, None] * x
+    if "static" in terms:                                # (G, M, M): static[g, m, n]
+        out = out + reduce_sum(terms["static"][..., None] * x[:, :, :, None], 2)
+    xs = transpose(x, (0, 3, 1, 2))                                           # (B, S, G, M)
+    key = None
+    if "kw1" in terms:                                   # (B, S, G, R, M)
+        y = reduce_sum(terms["kw1"] * xs[:, :, :, None], -1)                  # (B, S, G, R)
+        key = reduce_sum(terms["kw2"] * y[..., None], 3)                      # (B, S, G, M)
+    if "kdd" in terms:                                   # (B, S, G, M)
+        part = terms["kdd"] * xs
+        key = part if key is None else key + part
+    if key is not None:
+        out = out + transpose(key, (0, 2, 3, 1))
     return out
 
 

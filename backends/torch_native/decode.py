@@ -57,44 +57,6 @@ def attention(call):
     return _one_query(call), {}
 
 
-#: The terms ``_compose_low_rank`` applies itself (any other goes through
-#: ``dcmha.ops.decode_compose``, which reads the spec's declaration).
-_LOW_RANK_TERMS = frozenset({"qw1", "qw2", "qdd", "kw1", "kw2", "kdd", "static"})
-
-
-def _compose_low_rank(x, terms):
-    """Compose of one query, x (B, G, M, S) -> same: the arithmetic of
-    ``dcmha.ops.decode_compose`` (each term as ``spec.terms`` declares it, the
-    residual included) written as broadcast products and sums. Not einsums, which
-    cost several times more per call at these sizes, nor small matmuls: a small
-    ``torch.matmul``/``bmm`` enters an OpenMP parallel region whatever its size
-    (about 100 us each with ``OMP_WAIT_POLICY=PASSIVE``), an elementwise op only
-    above PyTorch's grain size. Query side: out += qw2^T (qw1 x) + qdd * x +
-    static^T x (per group); key side, per key s: out[n, s] += sum_r kw2[s, r, n]
-    sum_m kw1[s, r, m] x[m, s] + kdd[s, n] x[n, s].
-    """
-    out = x
-    if "qw1" in terms:                                   # (B, 1, G, R, M) -> (B, G, R, M, 1)
-        qw1, qw2 = terms["qw1"][:, 0, ..., None], terms["qw2"][:, 0, ..., None]
-        h = (qw1 * x[:, :, None]).sum(3)                                  # (B, G, R, S)
-        out = out + (qw2 * h[:, :, :, None]).sum(2)
-    if "qdd" in terms:                                   # (B, 1, G, M) -> (B, G, M, 1)
-        out = out + terms["qdd"][:, 0, :, :, None] * x
-    if "static" in terms:                                # (G, M, M): static[g, m, n]
-        out = out + (terms["static"][..., None] * x[:, :, :, None]).sum(2)
-    # The key side in the cache's own layout (B, S, G, ...): products of contiguous
-    # weights with a strided view of the small x, one transposed add at the end.
-    xs = x.permute(0, 3, 1, 2)                                            # (B, S, G, M)
-    key = None
-    if "kw1" in terms:                                   # (B, S, G, R, M)
-        y = (terms["kw1"] * xs[:, :, :, None]).sum(-1)                    # (B, S, G, R)
-        key = (terms["kw2"] * y[..., None]).sum(3)                        # (B, S, G, M)
-    if "kdd" in terms:                                   # (B, S, G, M)
-        part = terms["kdd"] * xs
-        key = part if key is None else key + part
-    return out if key is None else out + key.permute(0, 2, 3, 1)
-
-
 def _one_query(call):
     """o (B, 1, N, d_v) float32 of a one-query call (see the module doc)."""
     import torch
@@ -114,10 +76,8 @@ def _one_query(call):
     def compose(a, terms):
         terms = {n: torch.as_tensor(w, device=q.device).to(torch.float32)
                  for n, w in terms.items()}
-        if terms.keys() <= _LOW_RANK_TERMS:
-            return _compose_low_rank(a, terms)
         return dops.decode_compose(a, terms, M, einsum=torch.einsum, matmul=torch.matmul,
-                                   eye=eye)
+                                   eye=eye, reduce_sum=torch.sum, transpose=torch.permute)
 
     if call.pre:
         x = compose(x, call.pre)
