@@ -203,11 +203,18 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
     return out
 
 
+#: Elements of a broadcast product below which it replaces a small bmm (PyTorch's
+#: grain size for parallel elementwise work is 32768).
+_SMALL_PRODUCT = 1 << 16
+
+
 def _dynamic_weights_torch(torch, x, dw1, qkw, dd, *, slots, rank, gelu_approximate):
     """``dynamic_weights`` in eager PyTorch: the same arithmetic as two matmuls with x
-    and a broadcast product for qkw (a ``keras.ops.einsum`` costs about five times a
-    small ``torch.matmul`` here, and a small ``torch.bmm`` enters an OpenMP parallel
-    region whatever its size: 80 us with ``OMP_WAIT_POLICY=PASSIVE``)."""
+    and, for qkw, a broadcast product when it is small (a decoding step) or a bmm (a
+    ``keras.ops.einsum`` costs about five times a small ``torch.matmul`` here, and a
+    small ``torch.bmm`` enters an OpenMP parallel region whatever its size: 80 us with
+    ``OMP_WAIT_POLICY=PASSIVE``; the product's (B L, G C, K, 2 R M) temporary is only
+    worth it while small)."""
     B, L, D = x.shape
     x2 = x.to(torch.float32).reshape(B * L, D)
     C = len(slots)
@@ -222,8 +229,12 @@ def _dynamic_weights_torch(torch, x, dw1, qkw, dd, *, slots, rank, gelu_approxim
         h = torch.nn.functional.gelu(x2 @ dw1.to(torch.float32).reshape(D, G * C * K),
                                      approximate="tanh" if gelu_approximate else "none")
         M = qkw.shape[-1]
-        w = (h.reshape(B * L, G * C, K, 1)                                 # sum over K
-             * qkw.to(torch.float32).reshape(G * C, K, 2 * rank * M)).sum(2)
+        q2 = qkw.to(torch.float32).reshape(G * C, K, 2 * rank * M)
+        h = h.reshape(B * L, G * C, K)
+        if B * L * G * C * K * 2 * rank * M <= _SMALL_PRODUCT:
+            w = (h[..., None] * q2).sum(2)                                 # sum over K
+        else:
+            w = torch.bmm(h.transpose(0, 1), q2).transpose(0, 1)          # (BL, GC, 2RM)
         w = w.reshape(B, L, G, C, 2 * rank, M)
         w1 = w[..., :rank, :]
         per_slot("w1", w1 * torch.rsqrt(w1.square().mean(-1, keepdim=True) + W1_NORM_EPS))

@@ -219,6 +219,23 @@ def test_mixed_precision_keeps_scores_in_float32(reference_case, policy, rtol, c
     np.testing.assert_allclose(got, y_ref, rtol=rtol, atol=rtol * np.abs(y_ref).max())
 
 
+@pytest.mark.parametrize("T", [1, 300])
+def test_dynamic_weights_of_backend_tensors_match_reference(reference_case, T):
+    # Backend tensors take eager torch's own path (dcmha.ops._dynamic_weights_torch): a
+    # broadcast product for qkw at one token, a bmm for many (B*L*G*C*K*2RM = 2*300*4*32*32).
+    case = reference_case(dict(num_heads=8, key_dim=4), T=T)
+    cfg, p, x = case["cfg"], case["params"], case["query"]
+    slots = reference.slots(cfg)
+    t = lambda a: ops.convert_to_tensor(np.asarray(a, np.float32))          # noqa: E731
+    dyn = dops.dynamic_weights(t(x), t(p["dw1"]), t(p["qkw"]), t(p["dd"]), slots=slots,
+                               rank=cfg.R)
+    ref_dyn = reference.dynamic_weights(x, p["dw1"], p["qkw"], p["dd"], slots, cfg.R)
+    for s in slots:
+        for n in ("w1", "w2", "dd"):
+            assert tuple(dyn[s][n].shape) == ref_dyn[s][n].shape
+            assert_close(dyn[s][n], ref_dyn[s][n])
+
+
 def test_functional_ops_match_reference(reference_case, rng):
     case = reference_case(dict(num_heads=4, key_dim=8, num_groups=2, static_compose=True), T=5)
     cfg, p, x = case["cfg"], case["params"], case["query"]
