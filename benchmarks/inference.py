@@ -242,15 +242,11 @@ def worker(cases, repeats):
 # Driver side
 # ---------------------------------------------------------------------------
 
-#: ``--omp-wait-policy`` of the driver (a list, so main can set it).
-OMP_WAIT_POLICY = ["PASSIVE"]
-
-
-def _run_backend(backend, argv_tail, tmp):
+def _run_backend(backend, argv_tail, tmp, omp_wait_policy):
     out = os.path.join(tmp, f"{backend}.json")
     env = dict(os.environ, KERAS_BACKEND=backend)
-    if OMP_WAIT_POLICY[0] != "keep":
-        env.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY[0])
+    if omp_wait_policy != "keep":
+        env.setdefault("OMP_WAIT_POLICY", omp_wait_policy)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--json", out] + argv_tail
     proc = subprocess.run(cmd, env=env)
     if proc.returncode or not os.path.exists(out):
@@ -314,12 +310,11 @@ def main(argv=None) -> int:
     bad = sorted(set(backends) - set(BACKENDS))
     if bad:
         ap.error(f"unknown backends {bad}: use {','.join(BACKENDS)}")
-    OMP_WAIT_POLICY[0] = args.omp_wait_policy
     result = {"load_start": _load()}
     with tempfile.TemporaryDirectory() as tmp:
         if args.section in ("decode", "all"):
             tail = ["--cases", ",".join(cases), "--repeats", str(args.repeats)]
-            result["decode"] = [r for b in backends for r in _run_backend(b, tail, tmp)]
+            result["decode"] = [r for b in backends for r in _run_backend(b, tail, tmp, args.omp_wait_policy)]
             decode_table(result["decode"])
         if args.section in ("onnx", "all"):
             result["onnx"] = onnx_section(backends, args.repeats, tmp)

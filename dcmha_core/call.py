@@ -260,6 +260,13 @@ class AttentionCall:
         return frozenset(n for t in self.stages.values() for n in t)
 
     @property
+    def one_query(self) -> bool:
+        """T == 1 with no (B, N, T, S) output asked for and no dropout: a decoding step,
+        what the one-query paths compute (``dcmha.ops``'s, "torch_decode", "tf_decode")."""
+        return (self.T == 1 and not (self.return_attention_scores or self.return_intermediates)
+                and not (self.training and self.dropout_rate > 0.0))
+
+    @property
     def length_product(self) -> Optional[int]:
         """T * S, or None when either is unknown."""
         return None if self.T is None or self.S is None else self.T * self.S

@@ -181,25 +181,35 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
     weights = [w.value if isinstance(w, keras.Variable) else w for w in (dw1, qkw, dd)]
     torch = _eager_torch(x, *(w for w in weights if w is not None))
     if torch is not None:
-        return _dynamic_weights_torch(torch, x, *weights, slots=slots, rank=rank,
-                                      gelu_approximate=gelu_approximate)
-    x = as_dtype(x, "float32")
+        stacked = _dynamic_weights_torch(torch, x, *weights, C=len(slots), rank=rank,
+                                         gelu_approximate=gelu_approximate)
+        unstack = lambda a: a.unbind(3)                                 # noqa: E731
+    else:
+        stacked = _dynamic_weights_stacked(x, dw1, qkw, dd, C=len(slots), rank=rank,
+                                           gelu_approximate=gelu_approximate)
+        unstack = lambda a: ops.unstack(a, len(slots), axis=3)          # noqa: E731
     out = {s: {} for s in slots}
+    for name, a in stacked.items():          # the C axis (3) split into one array per slot
+        for s, a_s in zip(slots, unstack(a)):
+            out[s][name] = a_s
+    return out
 
-    def per_slot(name, w):                   # the C axis (3) split into one array per slot
-        for s, w_s in zip(slots, ops.unstack(w, len(slots), axis=3)):
-            out[s][name] = w_s
 
+def _dynamic_weights_stacked(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
+    """``dynamic_weights`` before the split into slots, with ``keras.ops``:
+    {"w1", "w2": (B, L, G, C, R, M), "dd": (B, L, G, C, M)} (those present)."""
+    x = as_dtype(x, "float32")
+    out = {}
     if dw1 is not None:
         h = ops.gelu(ops.einsum("bld,dgck->blgck", x, as_dtype(dw1, "float32")),
                      approximate=gelu_approximate)
         w = ops.einsum("blgck,gckrm->blgcrm", h, as_dtype(qkw, "float32"))
-        per_slot("w1", rms_normalize(w[..., :rank, :], W1_NORM_EPS))
-        per_slot("w2", w[..., rank:, :])
+        out["w1"] = rms_normalize(w[..., :rank, :], W1_NORM_EPS)
+        out["w2"] = w[..., rank:, :]
     if dd is not None:
         D, G, CM = dd.shape
-        dd4 = ops.reshape(as_dtype(dd, "float32"), (D, G, len(slots), CM // len(slots)))
-        per_slot("dd", ops.tanh(ops.einsum("bld,dgcm->blgcm", x, dd4)))
+        dd4 = ops.reshape(as_dtype(dd, "float32"), (D, G, C, CM // C))
+        out["dd"] = ops.tanh(ops.einsum("bld,dgcm->blgcm", x, dd4))
     return out
 
 
@@ -208,8 +218,9 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
 _SMALL_PRODUCT = 1 << 16
 
 
-def _dynamic_weights_torch(torch, x, dw1, qkw, dd, *, slots, rank, gelu_approximate):
-    """``dynamic_weights`` in eager PyTorch: the same arithmetic as two matmuls with x
+def _dynamic_weights_torch(torch, x, dw1, qkw, dd, *, C, rank, gelu_approximate):
+    """``_dynamic_weights_stacked`` in eager PyTorch (the RMS norm of w1 written out:
+    ``rms_normalize`` is ``keras.ops``): the same arithmetic as two matmuls with x
     and, for qkw, a broadcast product when it is small (a decoding step) or a bmm (a
     ``keras.ops.einsum`` costs about five times a small ``torch.matmul`` here, and a
     small ``torch.bmm`` enters an OpenMP parallel region whatever its size: 80 us with
@@ -217,13 +228,7 @@ def _dynamic_weights_torch(torch, x, dw1, qkw, dd, *, slots, rank, gelu_approxim
     worth it while small)."""
     B, L, D = x.shape
     x2 = x.to(torch.float32).reshape(B * L, D)
-    C = len(slots)
-    out = {s: {} for s in slots}
-
-    def per_slot(name, w):
-        for s, w_s in zip(slots, w.unbind(3)):
-            out[s][name] = w_s
-
+    out = {}
     if dw1 is not None:
         G, K = dw1.shape[1], dw1.shape[3]
         h = torch.nn.functional.gelu(x2 @ dw1.to(torch.float32).reshape(D, G * C * K),
@@ -237,12 +242,12 @@ def _dynamic_weights_torch(torch, x, dw1, qkw, dd, *, slots, rank, gelu_approxim
             w = torch.bmm(h.transpose(0, 1), q2).transpose(0, 1)          # (BL, GC, 2RM)
         w = w.reshape(B, L, G, C, 2 * rank, M)
         w1 = w[..., :rank, :]
-        per_slot("w1", w1 * torch.rsqrt(w1.square().mean(-1, keepdim=True) + W1_NORM_EPS))
-        per_slot("w2", w[..., rank:, :])
+        out["w1"] = w1 * torch.rsqrt(w1.square().mean(-1, keepdim=True) + W1_NORM_EPS)
+        out["w2"] = w[..., rank:, :]
     if dd is not None:
         G, CM = dd.shape[1], dd.shape[2]
         g = torch.tanh(x2 @ dd.to(torch.float32).reshape(D, G * CM))
-        per_slot("dd", g.reshape(B, L, G, C, CM // C))
+        out["dd"] = g.reshape(B, L, G, C, CM // C)
     return out
 
 

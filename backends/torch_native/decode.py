@@ -51,8 +51,7 @@ def attention(call):
     """(o (B, 1, N, d_v) float32, {}) for a one-query call; any other call through the
     plain core (``dcmha.ops.attention``)."""
     from dcmha import ops as dops
-    if call.T != 1 or call.return_attention_scores or call.return_intermediates or (
-            call.training and call.dropout_rate > 0.0) or call.mask_kind == "per_head":
+    if not call.one_query or call.mask_kind == "per_head":
         return dops.attention(call)
     return _one_query(call), {}
 
