@@ -11,7 +11,8 @@ Sources
 C and C++ files in ``csrc/`` beside this module (package data), each compilable on its own:
 ``dcmha_args.h`` (the argument block ``Args``, shared with ctypes' ``_Args`` below),
 ``compose.c`` (the kernel), ``compose_wrap.h`` (what the C++ wrappers share), ``xla_ffi.cc``
-(XLA FFI handlers) and ``tf_op.cc`` (TensorFlow ops). Three libraries are built from them,
+(XLA FFI handlers), ``tf_op.cc`` (TensorFlow ops) and ``ort_op.cc`` (onnxruntime custom ops).
+Four libraries are built from them,
 each described by a ``Recipe``:
 
 * ``compose_recipe()``, loaded by ``load()``: the kernel alone, called through ``ctypes`` by
@@ -19,7 +20,9 @@ each described by a ``Recipe``:
 * ``ffi_recipe(include_dir, jaxlib_version)``: the kernel with XLA FFI handlers, registered
   by ``jax_cpu`` as ``jax.ffi`` targets;
 * ``tf_recipe(compile_flags, link_flags, tf_version)``: the kernel as TensorFlow ops, loaded
-  by ``tf_cpu`` with ``tf.load_op_library``.
+  by ``tf_cpu`` with ``tf.load_op_library``;
+* ``ort_recipe(ort_version)``: the kernel as onnxruntime custom ops (``ort_op.cc``), which
+  ``dcmha.export.ort_ops`` registers in onnxruntime sessions.
 
 Building
 --------
@@ -99,7 +102,8 @@ from typing import Optional
 
 __all__ = ["load", "unavailable_reason", "compose_forward", "compose_backward", "disabled",
            "KernelWarning", "Recipe", "Plan", "compose_recipe", "ffi_recipe", "tf_recipe",
-           "plan", "build_library", "check_library", "fallback", "cache_dir", "CSRC"]
+           "ort_recipe", "plan", "build_library", "check_library", "fallback", "cache_dir",
+           "CSRC"]
 
 #: The C / C++ sources (package data beside this module).
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
@@ -192,6 +196,14 @@ def tf_recipe(compile_flags, link_flags, tf_version: str) -> Recipe:
     # -w: TensorFlow's headers warn about their own deprecations by the hundred
     return _wrapper_recipe("compose_tf", "tf_op.cc", ["-w", *compile_flags], link_flags,
                            (f"tensorflow {tf_version}",), ())
+
+
+def ort_recipe(ort_version: str) -> Recipe:
+    """The kernel as onnxruntime custom ops (``csrc/ort_op.cc``, the ``dcmha.Compose*`` nodes of
+    ``dcmha.export``'s ``compose_nodes=True`` graphs). It needs no onnxruntime headers or
+    libraries; ``SessionOptions.register_custom_ops_library`` opens it."""
+    return _wrapper_recipe("compose_ort", "ort_op.cc", [], (), (f"onnxruntime {ort_version}",),
+                           ("RegisterCustomOps", "dcmha_ort_op_names"))
 
 
 _FIELDS = (

@@ -3,7 +3,7 @@
     python benchmarks/onnx_latency.py [--batch 1] [--length 512] [--width 256] [--heads 8]
         [--layers 2] [--repeats 10] [--threads N] [--cases layer,stack]
         [--modes prefill,decode] [--dtypes float32,float16] [--backends jax,torch,tensorflow]
-        [--decode-position P] [--json out.json]
+        [--decode-position P] [--ort-plain] [--json out.json]
 
 Cases: "layer" (one causal DCMHA self-attention, all compositions on, RoPE) and
 "stack" (--layers pre-norm blocks: RMSNorm, DCMHA, residual, RMSNorm, gelu MLP,
@@ -13,7 +13,11 @@ onnxruntime the forward graph) and "decode" (one cached token at position
 --decode-position, default --length - 1, with a cache of --length positions:
 Keras calls the DCMHA layers with ``cache=`` in one ``jax.jit`` / ``tf.function``
 step, eager under ``torch.no_grad()``; onnxruntime runs the decode graph,
-``to_onnx(..., decode=True)``). Dtypes: the Keras models are built in that
+``to_onnx(..., decode=True)``). The graphs are exported as users get them:
+each compose a ``dcmha.Compose*`` node, which ``dcmha.export.session`` runs as the
+compiled compose kernel (``dcmha.export.ort_ops``). ``--ort-plain`` adds a second
+onnxruntime worker on the graphs exported with ``compose_nodes=False`` (every
+compose as plain ops), column "ort plain", which the ratio leaves out. Dtypes: the Keras models are built in that
 dtype, the ONNX graph is exported in it (float16 graphs keep scores, compose and
 softmax in float32, as the layer does).
 
@@ -47,6 +51,7 @@ import numpy as np
 
 BACKENDS = ("jax", "torch", "tensorflow")
 ORT = "onnxruntime"
+ORT_PLAIN = "ort plain"
 
 
 # ---------------------------------------------------------------------------
@@ -154,8 +159,9 @@ class KerasWorker:
             m.save_weights(os.path.join(self.tmp, f"{case}.weights.h5"))
             for dtype in dtypes:
                 for mode in modes:
-                    to_onnx(m, graph_path(self.tmp, case, mode, dtype), dtype=dtype,
-                            decode=mode == "decode")
+                    for plain in ((False, True) if self.args.ort_plain else (False,)):
+                        to_onnx(m, graph_path(self.tmp, case, mode, dtype, plain), dtype=dtype,
+                                decode=mode == "decode", compose_nodes=not plain)
         return {}
 
     def prepare(self, case, mode, dtype, inputs):
@@ -187,16 +193,16 @@ class KerasWorker:
 
 
 class OrtWorker:
-    def __init__(self, args, tmp):
-        self.args, self.tmp = args, tmp
-        self.backend = ORT
+    def __init__(self, args, tmp, plain=False):
+        self.args, self.tmp, self.plain = args, tmp, plain
+        self.backend = ORT_PLAIN if plain else ORT
         self.run = None
 
     def prepare(self, case, mode, dtype, inputs):
         from dcmha.export import core
         from dcmha.export.verification import read_export_metadata
 
-        path = graph_path(self.tmp, case, mode, dtype)
+        path = graph_path(self.tmp, case, mode, dtype, self.plain)
         sess = core.session(path, threads=self.args.threads)
         np_dtype = core.NP_DTYPES[dtype]
         feeds = dict(np.load(inputs))
@@ -214,13 +220,13 @@ class OrtWorker:
         self.run = run
         for _ in range(2):
             out = run()
-        p = os.path.join(self.tmp, "out_onnxruntime.npy")
+        p = os.path.join(self.tmp, f"out_{'ort_plain' if self.plain else 'onnxruntime'}.npy")
         np.save(p, np.asarray(out, np.float32))
         return {"output": p}
 
 
-def graph_path(tmp, case, mode, dtype):
-    return os.path.join(tmp, f"{case}_{mode}_{dtype}.onnx")
+def graph_path(tmp, case, mode, dtype, plain=False):
+    return os.path.join(tmp, f"{case}_{mode}_{dtype}{'_plain' if plain else ''}.onnx")
 
 
 def worker_main(backend: str, argv) -> int:
@@ -230,7 +236,8 @@ def worker_main(backend: str, argv) -> int:
     args = parse(argv)
     tmp = args.tmp
     try:
-        w = OrtWorker(args, tmp) if backend == ORT else KerasWorker(args, tmp)
+        w = (OrtWorker(args, tmp, plain=backend == ORT_PLAIN) if backend in (ORT, ORT_PLAIN)
+             else KerasWorker(args, tmp))
         reply.write(json.dumps({"ready": w.backend}) + "\n")
     except Exception as err:  # noqa: BLE001 - reported to the controller
         reply.write(json.dumps({"error": f"{type(err).__name__}: {err}"}) + "\n")
@@ -258,7 +265,7 @@ class Proc:
     def __init__(self, backend, argv):
         env = dict(os.environ)
         # the onnxruntime worker imports no framework; Keras gets the light numpy backend
-        env["KERAS_BACKEND"] = "numpy" if backend == ORT else backend
+        env["KERAS_BACKEND"] = "numpy" if backend in (ORT, ORT_PLAIN) else backend
         self.backend = backend
         self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", backend]
                                   + list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -302,6 +309,8 @@ def parse(argv):
                     help="Keras backends to compare (those not installed are skipped)")
     ap.add_argument("--decode-position", type=int, default=None,
                     help="position of the decoded token (default: --length - 1)")
+    ap.add_argument("--ort-plain", action="store_true",
+                    help="also time onnxruntime on the graphs without Compose nodes")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
@@ -396,6 +405,11 @@ def main(argv=None) -> dict:
         if ort.error:
             raise RuntimeError(f"onnxruntime worker failed: {ort.error}")
         workers = [ort] + procs
+        if args.ort_plain:
+            plain = Proc(ORT_PLAIN, fwd)
+            if plain.error:
+                raise RuntimeError(f"onnxruntime worker failed: {plain.error}")
+            workers.append(plain)
         try:
             for case in cases:
                 for mode in modes:
@@ -407,7 +421,7 @@ def main(argv=None) -> dict:
             for p in workers:
                 p.close()
     result["load_after"] = list(os.getloadavg())
-    _print(result, backends)
+    _print(result, backends + ([ORT_PLAIN] if args.ort_plain else []))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -431,6 +445,8 @@ def _measure(args, workers, case, mode, dtype, inputs, errors):
     stats = {b: _stats(t) for b, t in times.items()}
     if ORT in stats:
         row[ORT] = stats.pop(ORT)
+    if ORT_PLAIN in stats:
+        row[ORT_PLAIN] = stats.pop(ORT_PLAIN)
     row["keras"] = stats
     want = outs.get(ORT)
     for b in stats:
@@ -460,7 +476,7 @@ def _print(result, backends):
     for row in result["rows"]:
         line = f"{row['case']:<6} {row['mode']:<8} {row['dtype']:<8} {cell(row.get(ORT)):>22}"
         for b in backends:
-            line += f" {cell(row['keras'].get(b)):>22}"
+            line += f" {cell(row.get(b) if b == ORT_PLAIN else row['keras'].get(b)):>22}"
         ratio = row.get("fastest_keras_over_ort")
         print(line + f" {'-' if ratio is None else f'{ratio:.2f}':>12}")
     diffs = {f"{r['case']}/{r['mode']}/{r['dtype']}/{b}": s.get("max_rel_diff")

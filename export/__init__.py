@@ -21,7 +21,8 @@ def to_onnx(obj, path, *, opset: Optional[int] = None, dynamic: bool = True,
             dtype: str = "float32", decode: bool = False, self_attention: Optional[bool] = None,
             use_causal_mask: bool = False, attention_mask: bool = False,
             return_attention_scores: bool = False, input_shapes: Optional[dict] = None,
-            batch_size: int = 1, cache_length: Optional[int] = None):
+            batch_size: int = 1, cache_length: Optional[int] = None,
+            compose_nodes: bool = True):
     """Export a built ``dcmha.DCMHA`` layer or a Keras model containing DCMHA layers to ONNX.
 
     Args:
@@ -55,6 +56,13 @@ def to_onnx(obj, path, *, opset: Optional[int] = None, dynamic: bool = True,
             ``value``, ``key``. attention_mask adds the bool input
             ``attention_mask`` (B, T, S), True = attend. return_attention_scores
             adds the float32 output ``attention_scores`` (B, N, T, S).
+        compose_nodes: write each of a DCMHA call's composes as one
+            ``dcmha.Compose*`` node: a model-local function with a plain-op body
+            (any ONNX runtime runs it), which an onnxruntime session that registers
+            ``dcmha.export.ort_ops`` (``dcmha.export.session`` does) runs as the
+            compiled compose kernel, about 1.5x faster per layer on a CPU
+            (benchmarks/RESULTS.md). False: the composes inline as plain ops (the
+            fastest graph for a runtime without the kernel).
 
     Graph names: a layer has inputs query [, value, key] [, attention_mask] and
     outputs output [, attention_scores]; a model keeps its Keras input names and
@@ -67,6 +75,7 @@ def to_onnx(obj, path, *, opset: Optional[int] = None, dynamic: bool = True,
     from dcmha.export import keras_export
 
     _check_options(path, dynamic=dynamic, decode=decode, use_causal_mask=use_causal_mask,
+                   compose_nodes=compose_nodes,
                    attention_mask=attention_mask, return_attention_scores=return_attention_scores,
                    self_attention=self_attention, input_shapes=input_shapes,
                    batch_size=batch_size, cache_length=cache_length)
@@ -75,7 +84,7 @@ def to_onnx(obj, path, *, opset: Optional[int] = None, dynamic: bool = True,
                                attention_mask=attention_mask,
                                return_attention_scores=return_attention_scores,
                                input_shapes=input_shapes, batch_size=batch_size,
-                               cache_length=cache_length)
+                               cache_length=cache_length, compose_nodes=compose_nodes)
     save_model(model, path)
     return model
 

@@ -100,6 +100,10 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", action="store_true", help="write a single cached decode step")
     ap.add_argument("--fp16", action="store_true", help="float16 graph (scores/softmax in float32)")
     ap.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18)")
+    ap.add_argument("--no-compose-nodes", action="store_true",
+                    help="write the composes as plain ops instead of dcmha.Compose* nodes "
+                         "(functions that onnxruntime runs as the compiled kernel when "
+                         "dcmha.export.ort_ops is registered)")
     ap.add_argument("--batch", type=int, default=2, help="batch of the verification inputs")
     ap.add_argument("--length", type=int, default=8, help="sequence length of the verification inputs")
     ap.add_argument("--max-rel", type=float, default=None,
@@ -114,7 +118,7 @@ def main(argv=None) -> int:
     if not max_rel >= 0:
         ap.error(f"--max-rel must be a non-negative number. Received: {args.max_rel}")
 
-    from dcmha.export.core import atomic_output, output_target
+    from dcmha.export.core import FUNCTION_NAME, atomic_output, output_target
 
     try:        # before anything is loaded or built
         output_target(args.out)
@@ -139,9 +143,12 @@ def main(argv=None) -> int:
         # Exported to a temporary file beside the target, verified there, renamed
         # onto the target only when both pass: on any failure nothing is written.
         with atomic_output(args.out) as tmp:
-            proto = to_onnx(model, tmp, opset=args.opset, decode=args.decode, dtype=dtype)
+            proto = to_onnx(model, tmp, opset=args.opset, decode=args.decode, dtype=dtype,
+                            compose_nodes=not args.no_compose_nodes)
+            n_dcmha = sum(1 for f in proto.functions if f.name.startswith(FUNCTION_NAME))
+            n_compose = len(proto.functions) - n_dcmha
             print(f"graph (opset {proto.opset_import[0].version}, "
-                  f"{len(proto.functions)} DCMHA function(s))")
+                  f"{n_dcmha} DCMHA function(s), {n_compose} Compose function(s))")
             print("inputs:")
             for v in proto.graph.input:
                 print(_describe(v))

@@ -61,6 +61,14 @@ NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 MASKED_SCORE = float(spec_terms.MASKED_SCORE)
 #: The compose terms this translation writes (see ``_Body.factors``).
 EXPORTED_TERMS = frozenset({"qw1", "qw2", "kw1", "kw2", "qdd", "kdd", "static"})
+#: The compose ops (``compose_function``), by the terms they take: Q (per-query matrix),
+#: K (key-side rank-R pair), D (key-side gating).
+COMPOSE_OPS = ("ComposeQ", "ComposeK", "ComposeD", "ComposeQK", "ComposeQD", "ComposeKD",
+               "ComposeQKD")
+#: A decode step's key / value cache range, heads first (``cache_heads_function``), by dtype.
+CACHE_OPS = {"float32": "CacheHeads", "float16": "CacheHeads16"}
+#: Every op of the ``dcmha`` domain that ``dcmha.export.ort_ops`` runs as compiled code.
+KERNEL_OPS = COMPOSE_OPS + tuple(CACHE_OPS.values())
 #: Queries per chunk of the chunked attention (``attend_chunks``) unless the
 #: configuration sets ``query_chunk_size``.
 CHUNK = 64
@@ -225,8 +233,9 @@ def intermediate_names(cfg: ref.Config) -> List[str]:
 
 class _Body:
     def __init__(self, cfg: ref.Config, call: CallSpec, dtype: str, widths: Tuple[int, int, int],
-                 weights: Sequence[str]):
+                 weights: Sequence[str], compose_nodes: bool = False):
         self.cfg, self.call = cfg, call
+        self.compose_nodes = compose_nodes
         self.ft = DTYPES[dtype]
         self.D_q, self.D_kv, self.D_out = widths
         self.e = Emitter()
@@ -463,9 +472,13 @@ class _Body:
                     f"The ONNX exporter does not translate the compose terms {unknown} of "
                     f"the {stage} stage (it translates {sorted(EXPORTED_TERMS)}).")
             if q or static is not None:
-                qf[stage] = (self._merged(q.get("w1"), q.get("w2"), q.get("dd"), static, True, True),
-                             2 if q else None)
-            if k:
+                W = self._merged(q.get("w1"), q.get("w2"), q.get("dd"), static, True, True)
+                if self.compose_nodes and not q:   # (G, 1, M, M) -> (1, G, 1, M, M)
+                    W = self.e.op("Unsqueeze", W, self.e.i64(0))
+                qf[stage] = (W, 2 if q else None)
+            if k and self.compose_nodes:   # the key-side weights as they are, for Compose*
+                kf[stage] = ({n: self.e.cast(x, self.ft, TensorProto.FLOAT) for n, x in k.items()}, 1)
+            elif k:
                 kf[stage] = (k, 1) if self.call.decode else (
                     self._merged(k.get("w1"), k.get("w2"), k.get("dd"), None, False, False), 2)
         return qf, kf
@@ -479,6 +492,8 @@ class _Body:
         "g_s_tm" (B, G, S, T*M), "gstm" (B, G, S, T, M).
         """
         e = self.e
+        if self.compose_nodes:
+            return self._compose_node(x, stage, qf, kf, plus)
         terms = [e.op("MatMul", qf[stage][0], x) if stage in qf else x]   # else the residual alone
         Wk = kf[stage][0] if stage in kf else None
         if isinstance(Wk, dict):
@@ -491,6 +506,19 @@ class _Body:
         if plus is not None:
             terms.append(plus)
         return terms[0] if len(terms) == 1 else e.op("Sum", *terms)
+
+    def _compose_node(self, x, stage, qf, kf, plus):
+        """compose() as one ``dcmha.Compose<QKD>`` node on x (B, N, T, S) (``compose_node``)."""
+        e = self.e
+        Wk = kf[stage][0] if stage in kf else {}
+        letters = ("Q" if stage in qf else "") + ("K" if "w1" in Wk else "") + ("D" if "dd" in Wk else "")
+        if not letters:
+            out = x   # the residual alone
+        else:
+            inputs = [x] + ([qf[stage][0]] if stage in qf else []) + (
+                [Wk["w1"], Wk["w2"]] if "w1" in Wk else []) + ([Wk["dd"]] if "dd" in Wk else [])
+            out = e.op("Compose" + letters, *inputs, domain=DOMAIN)
+        return out if plus is None else e.op("Add", out, plus)
 
     # -- the call ----------------------------------------------------------
     def build(self) -> Dict[str, str]:
@@ -659,9 +687,17 @@ class _Body:
 
         q, qf, q_pos, mask = rows
         k, v, kf = cols
-        rows = (cut(q, tt, 1), cut_factors(qf, tt), cut(q_pos, tt, 0),
-                None if mask is None else cut(cut(mask, tt, 1), ss, 2))
-        if call.decode:
+        if call.decode:   # one block of every query: only the keys are cut
+            rows = (q, qf, q_pos, None if mask is None else cut(mask, ss, 2))
+        else:
+            rows = (cut(q, tt, 1), cut_factors(qf, tt), cut(q_pos, tt, 0),
+                    None if mask is None else cut(cut(mask, tt, 1), ss, 2))
+        if call.decode and self.compose_nodes:   # the visible range heads first, one copy each
+            op = CACHE_OPS["float16" if self.ft == TensorProto.FLOAT16 else "float32"]
+            kh = e.op(op, k, s0, s1, domain=DOMAIN)                       # (B, N_kv, S, d)
+            kt = e.op("Transpose", e.cast(kh, self.ft, TensorProto.FLOAT), perm=[0, 1, 3, 2])
+            cols = (kt, e.op(op, v, s0, s1, domain=DOMAIN), cut_factors(kf, ss))
+        elif call.decode:
             cols = self.kv_layouts(cut(k, ss, 1), cut(v, ss, 1)) + (cut_factors(kf, ss),)
         else:
             cols = (cut(k, ss, 3), cut(v, ss, 2), cut_factors(kf, ss))
@@ -713,7 +749,8 @@ class _Body:
         a = e.op("Mul", a, self.c(1.0 / math.sqrt(d), F))                            # (B, N, T, S)
         outputs["scores"] = a
         bnts = e.op("Shape", a)
-        composing = cfg.pre_compose or cfg.post_compose
+        # the plain-op compose works on (B, G, T, M, S); Compose* nodes on (B, N, T, S)
+        composing = (cfg.pre_compose or cfg.post_compose) and not self.compose_nodes
 
         shapes = {}
         if composing:
@@ -783,19 +820,100 @@ class _Body:
         o = e.op("Transpose", o, perm=[0, 2, 1, 3])                                  # (B, T, N, d_v)
         return e.reshape(o, 0, 0, N * d_v), outputs
 
+def compose_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProto:
+    """The local function ``dcmha.Compose<Q|K|D...>`` (``_Body._compose_node``): compose
+    x (B, N, T, S), float32, within each group, in plain ops.
+
+    Inputs, in this order, each only where its letter is in the name: x; Q: wq (B|1, G,
+    T|1, M, M), out[n] = sum_m wq[n, m] x[m] (residual and static terms included; without
+    Q the residual x); K: kw1, kw2 (B, S, G, R, M); D: kdd (B, S, G, M) (the layout of the
+    dynamic weights and the decode cache). onnxruntime runs the compiled kernel instead
+    where ``dcmha.export.ort_ops`` is registered.
+    """
+    if name not in COMPOSE_OPS:
+        raise ValueError(f"Not a Compose op name: {name!r} (expected Compose followed by Q, K, "
+                         f"D in that order, e.g. 'ComposeQKD').")
+    letters = name[len("Compose"):]
+    e = Emitter()
+    ins = ["x"] + (["wq"] if "Q" in letters else []) + (["kw1", "kw2"] if "K" in letters else []) \
+        + (["kdd"] if "D" in letters else [])
+    g_axis = 1 if "Q" in letters else 2          # wq (B, G, ...); kw1, kdd (B, S, G, ...)
+    G = e.dims(ins[1], g_axis, g_axis + 1)
+    x5 = e.op("Transpose", e.op("Reshape", "x", e.op("Concat", e.dims("x", 0, 1), G, e.i64(-1),
+                                                      e.dims("x", 2, 4), axis=0)),
+              perm=[0, 1, 3, 2, 4])                                           # (B, G, T, M, S)
+    terms = [e.op("MatMul", "wq", x5) if "Q" in letters else x5]
+
+    def key_major(w, perm):   # (B, S, G, ...) -> (B, G, 1, ..., S)
+        return e.op("Unsqueeze", e.op("Transpose", w, perm=perm), e.i64(2))
+    if "K" in letters:   # sum_r kw2[s, r, n] sum_m kw1[s, r, m] x[t, m, s]
+        h = e.op("ReduceSum", e.op("Mul", e.op("Unsqueeze", x5, e.i64(3)),
+                                   key_major("kw1", [0, 2, 3, 4, 1])), e.i64(4), keepdims=1)
+        terms.append(e.op("ReduceSum", e.op("Mul", h, key_major("kw2", [0, 2, 3, 4, 1])),
+                          e.i64(3), keepdims=0))                              # (B, G, T, M, S)
+    if "D" in letters:
+        terms.append(e.op("Mul", x5, key_major("kdd", [0, 2, 3, 1])))
+    out = terms[0] if len(terms) == 1 else e.op("Sum", *terms)
+    e.nodes.append(helper.make_node("Reshape", [e.op("Transpose", out, perm=[0, 1, 3, 2, 4]),
+                                                e.op("Shape", "x")], ["out"], name="out_reshape"))
+    return helper.make_function(DOMAIN, name, ins, ["out"], e.nodes,
+                                [helper.make_opsetid("", check_opset(opset))],
+                                doc_string=compose_function.__doc__.split("\n\n")[1].strip())
+
+
+def cache_heads_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProto:
+    """The local function ``dcmha.CacheHeads`` (float32) / ``CacheHeads16`` (float16):
+    (cache (B, S_max, H, d), start, stop: int64 scalars) -> the cache's positions
+    [start, stop) heads first, (B, H, stop - start, d). A decode step's Slice and Transpose
+    of its key / value cache, which the compiled op does in one copy."""
+    if name not in CACHE_OPS.values():
+        raise ValueError(f"Not a CacheHeads op name: {name!r} (expected one of "
+                         f"{sorted(CACHE_OPS.values())}).")
+    e = Emitter()
+    part = e.op("Slice", "cache", e.op("Unsqueeze", "start", e.i64(0)),
+                e.op("Unsqueeze", "stop", e.i64(0)), e.i64(1))
+    e.nodes.append(helper.make_node("Transpose", [part], ["out"], name="out_transpose",
+                                    perm=[0, 2, 1, 3]))
+    return helper.make_function(DOMAIN, name, ["cache", "start", "stop"], ["out"], e.nodes,
+                                [helper.make_opsetid("", check_opset(opset))],
+                                doc_string=cache_heads_function.__doc__.split(":", 1)[1].strip())
+
+
+def kernel_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProto:
+    """The local function of one of ``KERNEL_OPS``."""
+    return (cache_heads_function if name in CACHE_OPS.values() else compose_function)(name, opset)
+
+
+def kernel_ops_used(nodes: Sequence[onnx.NodeProto]) -> List[str]:
+    """The ``KERNEL_OPS`` that ``nodes`` (and their subgraphs) call, sorted."""
+    found = set()
+
+    def visit(ns):
+        for node in ns:
+            if node.domain == DOMAIN and node.op_type in KERNEL_OPS:
+                found.add(node.op_type)
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    visit(attr.g.node)
+    visit(nodes)
+    return sorted(found)
+
+
 def make_function(cfg: ref.Config, widths: Tuple[int, int, int], call: CallSpec, *,
                   dtype: str = "float32", opset: Optional[int] = None,
-                  name: str = FUNCTION_NAME) -> onnx.FunctionProto:
+                  name: str = FUNCTION_NAME, compose_nodes: bool = True) -> onnx.FunctionProto:
     """The ONNX local function ``dcmha.<name>`` for one DCMHA configuration and call.
 
     widths: (D_q, D_kv, D_out). Inputs/outputs: see ``function_inputs`` /
     ``function_outputs``; the configuration is stored as JSON in doc_string.
+    compose_nodes: write each compose as one ``dcmha.Compose*`` node (``compose_function``:
+    the model must carry those functions too; ``ModelBuilder`` adds them).
     """
     cfg = cfg.validate()
     check_call(cfg, call)
     dtype, opset = check_dtype(dtype), check_opset(opset)
     weights = list(ref.param_shapes(cfg, *widths))
-    body = _Body(cfg, call, dtype, widths, weights)
+    body = _Body(cfg, call, dtype, widths, weights, compose_nodes=compose_nodes)
     produced = body.build()
     outs = function_outputs(cfg, call)
     nodes = list(body.e.nodes)
@@ -808,9 +926,13 @@ def make_function(cfg: ref.Config, widths: Tuple[int, int, int], call: CallSpec,
             produced = {k: (o if v == value else v) for k, v in produced.items()}
         fixed.add(o)
     doc = json.dumps({"config": cfg.to_dict(), "widths": list(widths), "dtype": dtype,
-                      "call": dataclasses.asdict(call)}, sort_keys=True)
+                      "call": dataclasses.asdict(call), "compose_nodes": compose_nodes},
+                     sort_keys=True)
+    opsets = [helper.make_opsetid("", opset)]
+    if kernel_ops_used(nodes):
+        opsets.append(helper.make_opsetid(DOMAIN, 1))
     return helper.make_function(DOMAIN, name, function_inputs(cfg, call, weights), outs, nodes,
-                                [helper.make_opsetid("", opset)], doc_string=doc)
+                                opsets, doc_string=doc)
 
 
 # ---------------------------------------------------------------------------
@@ -840,7 +962,11 @@ def rename_value(nodes: Sequence[onnx.NodeProto], old: str, new: str) -> bool:
 class ModelBuilder:
     """Collects graph inputs, initializers, nodes and DCMHA functions into a ModelProto."""
 
-    def __init__(self, *, dtype: str = "float32", opset: Optional[int] = None, name: str = "dcmha"):
+    def __init__(self, *, dtype: str = "float32", opset: Optional[int] = None, name: str = "dcmha",
+                 compose_nodes: bool = True):
+        if not isinstance(compose_nodes, bool):
+            raise TypeError(f"compose_nodes must be True or False; received {compose_nodes!r}")
+        self.compose_nodes = compose_nodes
         self.dtype = check_dtype(dtype)
         self.ft = DTYPES[dtype]
         self.np_dtype = NP_DTYPES[dtype]
@@ -893,7 +1019,11 @@ class ModelBuilder:
             n = len(self._function_keys)
             fname = FUNCTION_NAME if n == 0 else f"{FUNCTION_NAME}_{n + 1}"
             self.functions[fname] = make_function(cfg, widths, call, dtype=self.dtype,
-                                                  opset=self.opset, name=fname)
+                                                  opset=self.opset, name=fname,
+                                                  compose_nodes=self.compose_nodes)
+            for op in kernel_ops_used(self.functions[fname].node):
+                if op not in self.functions:
+                    self.functions[op] = kernel_function(op, self.opset)
             self._function_keys[key] = fname
         return self._function_keys[key]
 
@@ -963,7 +1093,8 @@ def layer_dims(dynamic: bool, dims: Optional[Mapping[str, int]] = None) -> Dict[
 
 def export_layer(cfg: ref.Config, params: Mapping[str, np.ndarray], call: CallSpec = CallSpec(), *,
                  dtype: str = "float32", opset: Optional[int] = None, dynamic: bool = True,
-                 dims: Optional[Mapping[str, int]] = None) -> onnx.ModelProto:
+                 dims: Optional[Mapping[str, int]] = None,
+                 compose_nodes: bool = True) -> onnx.ModelProto:
     """The ONNX graph of one DCMHA call from the spec's Config and canonical params.
 
     Graph inputs:  query (B, T, D_q); value, key (B, S, D_kv) unless self-attention;
@@ -974,11 +1105,15 @@ def export_layer(cfg: ref.Config, params: Mapping[str, np.ndarray], call: CallSp
                    attention_scores (B, N, T, S), float32, if requested.
     Every float input/output but attention_scores has the compute ``dtype``.
     With dynamic=False, ``dims`` gives batch, query_length, key_length / cache_length.
+    compose_nodes: write each compose as one ``dcmha.Compose*`` node, a local function
+    with a plain-op body that onnxruntime runs as the compiled kernel in sessions that
+    register ``dcmha.export.ort_ops`` (``session`` does); False: plain ops inline (the
+    faster graph for a runtime without the kernel).
     """
     cfg = cfg.validate()
     D_q, D_kv, D_out = check_params(cfg, params)
     check_call(cfg, call)
-    b = ModelBuilder(dtype=dtype, opset=opset)
+    b = ModelBuilder(dtype=dtype, opset=opset, compose_nodes=compose_nodes)
     dm = layer_dims(dynamic, dims)
     B, T = dm["batch"], dm["query_length"]
     S = dm["cache_length"] if call.decode else (T if call.self_attention else dm["key_length"])
@@ -1029,8 +1164,14 @@ def check_model(model: onnx.ModelProto) -> None:
     onnx.checker.check_model(model, full_check=True)
 
 
-def session(model_or_path, *, threads: Optional[int] = None, spinning: bool = False):
+def session(model_or_path, *, threads: Optional[int] = None, spinning: bool = False,
+            compose_kernel: bool = True):
     """An onnxruntime CPU session with every graph optimisation on (ORT_ENABLE_ALL).
+
+    compose_kernel: for a graph with ``dcmha.Compose*`` nodes (exported with
+    ``compose_nodes=True``), register the compiled compose kernel (``ort_ops``), built on
+    first use; where it is unavailable (no compiler, ``DCMHA_CPU_KERNEL=0``; one
+    ``KernelWarning`` says why) or with False, onnxruntime runs the nodes' plain-op bodies.
 
     threads: intra-op threads. Default: onnxruntime's (one per physical core), but 1
     for a decode graph (one with a ``cache_update_index`` input): a step's ops are
@@ -1052,6 +1193,10 @@ def session(model_or_path, *, threads: Optional[int] = None, spinning: bool = Fa
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if compose_kernel and any(f.domain == DOMAIN and f.name in KERNEL_OPS
+                              for f in model.functions):
+        from dcmha.export import ort_ops
+        ort_ops.register(so)
     src = model_or_path.SerializeToString() if isinstance(model_or_path, onnx.ModelProto) else str(model_or_path)
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
 

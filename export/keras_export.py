@@ -236,8 +236,9 @@ def _activation(ctx: Context, fn, x: Value) -> Value:
     elif name in ("silu", "swish"):
         out = e.op("Mul", n, e.op("Sigmoid", n))
     elif name == "gelu":   # keras.activations.gelu defaults to the exact (erf) form
-        out = e.op("Mul", e.op("Mul", n, c(0.5)),
-                   e.op("Add", e.op("Erf", e.op("Mul", n, c(1 / math.sqrt(2)))), c(1.0)))
+        # x (1 + erf(x / sqrt 2)) / 2 in the op order that onnxruntime fuses into one Gelu
+        out = e.op("Mul", e.op("Mul", n, e.op("Add", e.op("Erf", e.op("Div", n, c(math.sqrt(2)))),
+                                              c(1.0))), c(0.5))
     elif name == "softmax":
         out = e.op("Softmax", n, axis=-1)
     elif name == "relu6":
@@ -316,7 +317,8 @@ def _rms_norm(ctx: Context, layer, x: Value, **kw):
     e, F = ctx.e, TensorProto.FLOAT
     x32, back = _float32_island(ctx, x)
     eps = layer.epsilon if layer.epsilon is not None else keras.backend.epsilon()
-    ms = e.op("ReduceMean", e.op("Mul", x32, x32), e.i64(-1), keepdims=1)
+    # Pow (not Mul(x, x)): the pattern onnxruntime fuses into one SimplifiedLayerNormalization
+    ms = e.op("ReduceMean", e.op("Pow", x32, e.const(2.0, F)), e.i64(-1), keepdims=1)
     y = e.op("Div", x32, e.op("Sqrt", e.op("Add", ms, e.const(eps, F))))
     scale = ctx.b.add_initializer(f"{ctx.where()}/scale",
                                   keras.ops.convert_to_numpy(layer.scale), np.float32)
@@ -459,9 +461,11 @@ def build(obj, *, opset: Optional[int] = None, dynamic: bool = True, dtype: str 
           decode: bool = False, self_attention: Optional[bool] = None,
           use_causal_mask: bool = False, attention_mask: bool = False,
           return_attention_scores: bool = False, input_shapes: Optional[dict] = None,
-          batch_size: int = 1, cache_length: Optional[int] = None) -> onnx.ModelProto:
+          batch_size: int = 1, cache_length: Optional[int] = None,
+          compose_nodes: bool = True) -> onnx.ModelProto:
     """The ONNX ModelProto of a DCMHA layer or a Keras model (see ``to_onnx``)."""
-    b = core.ModelBuilder(dtype=dtype, opset=opset, name=getattr(obj, "name", "dcmha"))
+    b = core.ModelBuilder(dtype=dtype, opset=opset, name=getattr(obj, "name", "dcmha"),
+                          compose_nodes=compose_nodes)
     ctx = Context(b, decode, dynamic, batch_size, cache_length)
     meta: Dict[str, Any] = {"decode": bool(decode), "dtype": dtype}
     if _is_dcmha(obj):

@@ -7,6 +7,7 @@ import onnx
 import pytest
 
 from dcmha.export import core
+from export_cases import close
 from dcmha.spec import reference as ref
 
 D, B, T = 8, 2, 5
@@ -41,13 +42,7 @@ def _run(model, feeds):
     return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
 
 
-def _close(got, want, rel):
-    """|got - want| <= rel * max(1, max|want|) elementwise, and no NaN."""
-    got = np.asarray(got, np.float64)
-    assert not np.isnan(got).any()
-    bound = rel * max(1.0, float(np.max(np.abs(want))))
-    err = float(np.max(np.abs(got - want)))
-    assert err <= bound, f"max abs error {err:.3g} > {bound:.3g}"
+_close = close
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -131,17 +126,28 @@ def test_float16_graph():
     _close(out["attention_scores"], inter["post_composed"], 1e-2)
 
 
-def test_graph_structure_and_dynamic_axes():
+@pytest.mark.parametrize("compose_nodes", [True, False])
+def test_graph_structure_and_dynamic_axes(compose_nodes):
     cfg = ref.Config(num_heads=4, key_dim=4)
-    model = core.export_layer(cfg, _params(cfg), core.CallSpec(use_causal_mask=True))
+    model = core.export_layer(cfg, _params(cfg), core.CallSpec(use_causal_mask=True),
+                              compose_nodes=compose_nodes)
     nodes = model.graph.node
     dcmha_nodes = [n for n in nodes if n.domain == core.DOMAIN]
     assert len(dcmha_nodes) == 1 and dcmha_nodes[0].op_type == core.FUNCTION_NAME
-    (fn,) = model.functions
+    fn, *composes = model.functions
     assert (fn.domain, fn.name) == ("dcmha", "DCMHA")
     assert list(fn.input)[:1] == ["query"] and list(fn.output) == ["output"]
     assert list(fn.input)[1:] == list(ref.param_shapes(cfg, D, D, 7))
-    assert {n.domain for n in fn.node} == {""}                # a plain-op body
+    if compose_nodes:   # both composes (in the chunk Loop) are ComposeQKD nodes
+        assert [(f.domain, f.name) for f in composes] == [("dcmha", "ComposeQKD")]
+        assert {n.domain for n in composes[0].node} == {""}   # a plain-op body
+        assert core.kernel_ops_used(fn.node) == ["ComposeQKD"]
+        loop = [n for n in fn.node if n.op_type == "Loop"][0]
+        assert [n.op_type for n in loop.attribute[0].g.node if n.domain == "dcmha"] == [
+            "ComposeQKD", "ComposeQKD"]
+    else:
+        assert composes == []
+        assert {n.domain for n in fn.node} == {""}            # a plain-op body
     shape = [d.dim_param for d in model.graph.input[0].type.tensor_type.shape.dim[:2]]
     assert shape == ["batch", "query_length"]
     sess = core.session(model)
@@ -214,7 +220,8 @@ def test_layers_share_a_function_per_configuration():
     b.add_output(h, "y", onnx.TensorProto.FLOAT, ["batch", "length", D])
     model = b.build()
     core.check_model(model)
-    assert sorted(f.name for f in model.functions) == ["DCMHA", "DCMHA_2"]
+    # one Compose function for all three calls
+    assert sorted(f.name for f in model.functions) == ["ComposeQKD", "DCMHA", "DCMHA_2"]
     assert [n.op_type for n in model.graph.node if n.domain == "dcmha"] == ["DCMHA", "DCMHA_2", "DCMHA"]
     x_np = np.random.default_rng(7).normal(size=(1, 4, D)).astype(np.float32)
     want = x_np

@@ -10,7 +10,13 @@ single-step graph once per ``decode_steps`` entry, carrying the presents into
 the next step's pasts. "output" always comes from the graph users deploy, the
 one without (B, N, T, S) outputs (queries in chunks, each on its visible keys);
 the attention scores and intermediates from a second graph that returns them.
-float16 cases run the float16 graph (float32 scores and softmax). Not covered:
+float16 cases run the float16 graph (float32 scores and softmax).
+
+Two adapters: "onnxruntime" runs the graph as exported by default, each compose a
+``dcmha.Compose*`` node that the session runs as the compiled compose kernel
+(``dcmha.export.ort_ops``; its plain-op body where the kernel cannot be built);
+"onnxruntime-plain" the graph exported with ``compose_nodes=False`` (composes as
+plain ops). Not covered:
 gradients (an inference graph), and bfloat16 (the exporter writes
 float32/float16 only; onnxruntime's CPU provider has no bfloat16 MatMul/Softmax
 kernels).
@@ -33,11 +39,14 @@ class OnnxRuntimeAdapter(Adapter):
     capabilities = frozenset({"forward", "decode", "float32", "float16", "intermediates",
                               "attention_scores", "long_sequences"})
 
+    compose_nodes = True
+
     def __init__(self, opset=None):
         self.opset = opset
 
     def _session(self, case, call: core.CallSpec):
-        model = core.export_layer(case.cfg, case.params, call, dtype=case.dtype, opset=self.opset)
+        model = core.export_layer(case.cfg, case.params, call, dtype=case.dtype, opset=self.opset,
+                                  compose_nodes=self.compose_nodes)
         core.check_model(model)
         return core.session(model)
 
@@ -107,3 +116,9 @@ class OnnxRuntimeAdapter(Adapter):
         if S_max == T:   # step scores (B, N, n, S_max) tile the full (B, N, T, S) scores
             result["attention_scores"] = np.concatenate(scores, axis=2).astype(np.float32)
         return result
+
+
+class OnnxRuntimePlainAdapter(OnnxRuntimeAdapter):
+    """The graph exported with ``compose_nodes=False``: every compose as plain ONNX ops."""
+    name = "onnxruntime-plain"
+    compose_nodes = False

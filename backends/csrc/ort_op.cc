@@ -1,0 +1,417 @@
+/* The dcmha compose kernel as onnxruntime custom ops (CPU, float32), for the graphs that
+   dcmha.export writes with compose_nodes=True.
+
+   Ops, domain "dcmha", one per set of terms present (Q: the per-query matrix, K: the
+   key-side rank-R pair, D: the key-side gating), inputs in this order:
+
+       ComposeQ / ComposeK / ComposeD / ComposeQK / ComposeQD / ComposeKD / ComposeQKD
+           (x, [wq], [kw1, kw2], [kdd]) -> out
+
+   x, out (B, N, T, S) with head n = g * M + m; wq (B|1, G, T|1, M, M), where
+   out[n] = sum_m wq[n, m] x[m] (the residual and static terms included; a size-1 axis is
+   broadcast); kw1, kw2 (B, S, G, R, M) and kdd (B, S, G, M), the layout of the layer's
+   dynamic weights and of the decode cache (the kernel copies them keys-last). Without Q the
+   residual x is the base term.
+
+       CacheHeads (float32) / CacheHeads16 (float16): (cache, start, stop) -> out
+
+   cache (B, S_max, H, d), start and stop int64 scalars, 0 <= start < stop <= S_max;
+   out (B, H, stop - start, d) = the cache's positions [start, stop), heads first: the
+   Slice and Transpose of a decode step's key / value cache in one copy.
+
+   The same ops are model-local functions of the exported graph (plain-op bodies,
+   dcmha/export/core.py); a session that registers this library runs the kernel instead.
+
+   onnxruntime loads the library with SessionOptions.register_custom_ops_library, which calls
+   RegisterCustomOps. The library needs no onnxruntime headers: the few entries of the C API
+   it calls are declared below by their positions in onnxruntime's OrtApi table (which only
+   grows: an entry never moves) and OrtCustomOp's fields in their documented order. A
+   Compose splits its query rows over the session's intra-op threads
+   (KernelContext_ParallelFor, when the onnxruntime serves API version 20 or later).
+
+   Compiles on its own: c++ -std=c++17 -O2 -shared -fPIC ort_op.cc compose.o */
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "compose_wrap.h"
+
+extern "C" {
+struct OrtStatus;
+struct OrtSessionOptions;
+struct OrtKernelInfo;
+struct OrtKernelContext;
+struct OrtValue;
+struct OrtShapeInfo;
+struct OrtCustomOpDomain;
+typedef void (*OrtFn)(void);
+
+struct OrtApiBase {
+    const OrtFn *(*GetApi)(uint32_t version);
+    const char *(*GetVersionString)(void);
+};
+
+struct OrtCustomOp {
+    uint32_t version;
+    void *(*CreateKernel)(const OrtCustomOp *, const void *, const OrtKernelInfo *);
+    const char *(*GetName)(const OrtCustomOp *);
+    const char *(*GetExecutionProviderType)(const OrtCustomOp *);
+    int (*GetInputType)(const OrtCustomOp *, size_t);
+    size_t (*GetInputTypeCount)(const OrtCustomOp *);
+    int (*GetOutputType)(const OrtCustomOp *, size_t);
+    size_t (*GetOutputTypeCount)(const OrtCustomOp *);
+    void (*KernelCompute)(void *, OrtKernelContext *);
+    void (*KernelDestroy)(void *);
+    int (*GetInputCharacteristic)(const OrtCustomOp *, size_t);
+    int (*GetOutputCharacteristic)(const OrtCustomOp *, size_t);
+    int (*GetInputMemoryType)(const OrtCustomOp *, size_t);
+    int (*GetVariadicInputMinArity)(const OrtCustomOp *);
+    int (*GetVariadicInputHomogeneity)(const OrtCustomOp *);
+    int (*GetVariadicOutputMinArity)(const OrtCustomOp *);
+    int (*GetVariadicOutputHomogeneity)(const OrtCustomOp *);
+    OrtStatus *(*CreateKernelV2)(const OrtCustomOp *, const void *, const OrtKernelInfo *,
+                                 void **);
+    OrtStatus *(*KernelComputeV2)(void *, OrtKernelContext *);
+    OrtStatus *(*InferOutputShapeFn)(const OrtCustomOp *, void *);
+    int (*GetStartVersion)(const OrtCustomOp *);
+    int (*GetEndVersion)(const OrtCustomOp *);
+    size_t (*GetMayInplace)(int **, int **);
+    void (*ReleaseMayInplace)(int *, int *);
+    size_t (*GetAliasMap)(int **, int **);
+    void (*ReleaseAliasMap)(int *, int *);
+};
+}
+
+namespace {
+
+/* OrtApi entries used, by position (version 1 of the table). */
+enum : int {
+    kCreateStatus = 0, kCreateCustomOpDomain = 26, kCustomOpDomainAdd = 27,
+    kAddCustomOpDomain = 28, kGetTensorMutableData = 51, kGetTensorElementType = 60,
+    kGetDimensionsCount = 61, kGetDimensions = 62, kGetTensorTypeAndShape = 65,
+    kKernelContextGetInput = 90,
+    kKernelContextGetOutput = 91, kReleaseStatus = 93, kReleaseTensorTypeAndShapeInfo = 99,
+    kKernelContextParallelFor = 274,
+};
+constexpr uint32_t kParallelApi = 20;   /* an API version that has KernelContext_ParallelFor */
+constexpr int kInvalidArgument = 2, kFail = 1;   /* OrtErrorCode */
+constexpr int kFloat = 1, kFloat16 = 10, kInt64 = 7;   /* ONNX_TENSOR_ELEMENT_DATA_TYPE_* */
+/* OrtCustomOp fields read by onnxruntime: those of this version and below. */
+constexpr uint32_t kOpVersion = 16;
+
+const OrtFn *g_api = nullptr;
+bool g_parallel = false;   /* the table has KernelContext_ParallelFor */
+
+template <typename F>
+F api(int index) { return reinterpret_cast<F>(g_api[index]); }
+
+OrtStatus *status(int code, const char *message) {
+    return api<OrtStatus *(*)(int, const char *)>(kCreateStatus)(code, message);
+}
+
+struct Op {
+    OrtCustomOp base;   /* first: onnxruntime passes &base back */
+    const char *name;
+    int64_t flags;      /* Compose*: DCMHA_HAS_*; CacheHeads*: the element type */
+    size_t inputs;
+};
+
+const Op &op_of(const OrtCustomOp *o) { return *reinterpret_cast<const Op *>(o); }
+
+/* A tensor input: its data and shape (at most 6 axes), or an error status. */
+struct Tensor {
+    const float *data = nullptr;
+    int64_t dims[6] = {0};
+    size_t rank = 0;
+};
+
+const char *type_name(int type) {
+    return type == kFloat ? "float32" : type == kFloat16 ? "float16" : type == kInt64 ? "int64"
+                                                                                      : "other";
+}
+
+OrtStatus *read_input(OrtKernelContext *ctx, size_t i, const char *what, size_t rank,
+                      Tensor &t, int want = kFloat) {
+    const OrtValue *v = nullptr;
+    OrtStatus *st = api<OrtStatus *(*)(OrtKernelContext *, size_t, const OrtValue **)>(
+        kKernelContextGetInput)(ctx, i, &v);
+    if (st) return st;
+    OrtShapeInfo *info = nullptr;
+    if ((st = api<OrtStatus *(*)(const OrtValue *, OrtShapeInfo **)>(kGetTensorTypeAndShape)(
+             v, &info)))
+        return st;
+    int type = 0;
+    size_t n = 0;
+    st = api<OrtStatus *(*)(const OrtShapeInfo *, int *)>(kGetTensorElementType)(info, &type);
+    if (!st) st = api<OrtStatus *(*)(const OrtShapeInfo *, size_t *)>(kGetDimensionsCount)(info, &n);
+    if (!st && n == rank)
+        st = api<OrtStatus *(*)(const OrtShapeInfo *, int64_t *, size_t)>(kGetDimensions)(
+            info, t.dims, n);
+    api<void (*)(OrtShapeInfo *)>(kReleaseTensorTypeAndShapeInfo)(info);
+    if (st) return st;
+    char msg[160];
+    if (type != want || n != rank) {
+        std::snprintf(msg, sizeof msg,
+                      "dcmha: input %s must be a %s tensor of rank %zu; received %s, rank %zu",
+                      what, type_name(want), rank, type_name(type), n);
+        return status(kInvalidArgument, msg);
+    }
+    t.rank = n;
+    void *data = nullptr;
+    if ((st = api<OrtStatus *(*)(OrtValue *, void **)>(kGetTensorMutableData)(
+             const_cast<OrtValue *>(v), &data)))
+        return st;
+    t.data = static_cast<const float *>(data);
+    return nullptr;
+}
+
+OrtStatus *mismatch(const char *what, const char *expected, const Tensor &t) {
+    char msg[200];
+    std::snprintf(msg, sizeof msg,
+                  "dcmha Compose: input %s must have shape %s; received (%lld, %lld, %lld, "
+                  "%lld%s", what, expected, (long long)t.dims[0], (long long)t.dims[1],
+                  (long long)t.dims[2], (long long)t.dims[3], t.rank == 5 ? ", ...)" : ")");
+    return status(kInvalidArgument, msg);
+}
+
+/* dst (B, G, rest, S) from src (B, S, G, rest): the key-side terms keys-last. */
+void keys_last(const float *src, int64_t B, int64_t S, int64_t G, int64_t rest, float *dst) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t s = 0; s < S; s++) {
+            const float *row = src + (b * S + s) * G * rest;
+            float *out = dst + b * G * rest * S + s;
+            for (int64_t i = 0; i < G * rest; i++) out[i * S] = row[i];
+        }
+}
+
+OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
+    const Op &op = *static_cast<const Op *>(kernel);
+    Tensor x, wq, kw1, kw2, kdd;
+    OrtStatus *st;
+    size_t i = 0;
+    if ((st = read_input(ctx, i++, "x", 4, x))) return st;
+    const int64_t B = x.dims[0], N = x.dims[1], T = x.dims[2], S = x.dims[3];
+    int64_t G = 0, R = 1;
+    if (op.flags & DCMHA_HAS_WQ) {
+        if ((st = read_input(ctx, i++, "wq", 5, wq))) return st;
+        G = wq.dims[1];
+    }
+    if (op.flags & DCMHA_HAS_KW) {
+        if ((st = read_input(ctx, i++, "kw1", 5, kw1))) return st;
+        if ((st = read_input(ctx, i++, "kw2", 5, kw2))) return st;
+        G = G ? G : kw1.dims[2];
+        R = kw1.dims[3];
+    }
+    if (op.flags & DCMHA_HAS_KDD) {
+        if ((st = read_input(ctx, i++, "kdd", 4, kdd))) return st;
+        G = G ? G : kdd.dims[2];
+    }
+    if (G <= 0 || N % G) {
+        char msg[120];
+        std::snprintf(msg, sizeof msg, "dcmha Compose: %lld heads in x do not split into %lld "
+                      "groups", (long long)N, (long long)G);
+        return status(kInvalidArgument, msg);
+    }
+    const int64_t M = N / G;
+    if ((op.flags & DCMHA_HAS_WQ) &&
+        ((wq.dims[0] != B && wq.dims[0] != 1) || (wq.dims[2] != T && wq.dims[2] != 1) ||
+         wq.dims[3] != M || wq.dims[4] != M))
+        return mismatch("wq", "(B|1, G, T|1, M, M)", wq);
+    if (op.flags & DCMHA_HAS_KW) {
+        const Tensor *pair[2] = {&kw1, &kw2};
+        for (const Tensor *t : pair)
+            if (t->dims[0] != B || t->dims[1] != S || t->dims[2] != G || t->dims[3] != R ||
+                t->dims[4] != M)
+                return mismatch(t == &kw1 ? "kw1" : "kw2", "(B, S, G, R, M)", *t);
+    }
+    if ((op.flags & DCMHA_HAS_KDD) &&
+        (kdd.dims[0] != B || kdd.dims[1] != S || kdd.dims[2] != G || kdd.dims[3] != M))
+        return mismatch("kdd", "(B, S, G, M)", kdd);
+
+    OrtValue *out = nullptr;
+    if ((st = api<OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t,
+                                 OrtValue **)>(kKernelContextGetOutput)(ctx, 0, x.dims, 4, &out)))
+        return st;
+    void *out_data = nullptr;
+    if ((st = api<OrtStatus *(*)(OrtValue *, void **)>(kGetTensorMutableData)(out, &out_data)))
+        return st;
+    if (B * N * T * S == 0) return nullptr;
+
+    /* the key-side terms keys-last, in one scratch buffer per thread */
+    thread_local std::vector<float> scratch;
+    const int64_t n_kw = (op.flags & DCMHA_HAS_KW) ? B * G * R * M * S : 0;
+    const int64_t n_kd = (op.flags & DCMHA_HAS_KDD) ? B * G * M * S : 0;
+    if (scratch.size() < (size_t)(2 * n_kw + n_kd)) scratch.resize((size_t)(2 * n_kw + n_kd));
+    float *k1 = scratch.data(), *k2 = k1 + n_kw, *kd = k2 + n_kw;
+    if (n_kw) {
+        keys_last(kw1.data, B, S, G, R * M, k1);
+        keys_last(kw2.data, B, S, G, R * M, k2);
+    }
+    if (n_kd) keys_last(kdd.data, B, S, G, M, kd);
+
+    Args a;
+    const int64_t dims[5] = {B, G, M, T, S};
+    dcmha_fill(a, dims, R, x.data, wq.data, k1, k2, kd, op.flags);
+    if (op.flags & DCMHA_HAS_WQ) {   /* (B|1, G, T|1, M, M): size-1 axes broadcast */
+        a.wq_b = wq.dims[0] == 1 ? 0 : G * wq.dims[2] * M * M;
+        a.wq_g = wq.dims[2] * M * M;
+        a.wq_i = wq.dims[2] == 1 ? 0 : M * M;
+        a.wq_n = M;
+        a.wq_m = 1;
+    }
+    a.out = static_cast<float *>(out_data);
+    /* query rows in parts over the intra-op threads: each part is the same call on rows
+       [t0, t1) (the key-side terms are shared) */
+    struct Parts {
+        Args a;
+        int64_t parts;
+        int failed;
+    } job{a, T < 8 ? T : 8, 0};
+    auto run = [](void *data, size_t p) {
+        Parts &j = *static_cast<Parts *>(data);
+        const int64_t T = j.a.t, t0 = T * (int64_t)p / j.parts, t1 = T * ((int64_t)p + 1) / j.parts;
+        Args part = j.a;
+        part.t = t1 - t0;
+        part.x += t0 * j.a.x_i;
+        part.out += t0 * j.a.o_i;
+        if (part.wq) part.wq += t0 * j.a.wq_i;
+        if (part.t > 0 && dcmha_compose_forward(&part)) j.failed = 1;
+    };
+    if (job.parts > 1 && g_parallel) {
+        if ((st = api<OrtStatus *(*)(OrtKernelContext *, void (*)(void *, size_t), size_t, size_t,
+                                     void *)>(kKernelContextParallelFor)(
+                 ctx, run, (size_t)job.parts, 0, &job)))
+            return st;
+    } else {
+        job.parts = 1;
+        run(&job, 0);
+    }
+    if (job.failed) return status(kFail, "dcmha Compose: out of memory");
+    return nullptr;
+}
+
+/* CacheHeads: out (B, H, stop - start, d) = cache (B, S_max, H, d)[:, start:stop], heads first. */
+OrtStatus *cache_heads(void *kernel, OrtKernelContext *ctx) {
+    const Op &op = *static_cast<const Op *>(kernel);
+    const int type = (int)op.flags;
+    const size_t item = type == kFloat16 ? 2 : 4;
+    Tensor cache, start, stop;
+    OrtStatus *st;
+    if ((st = read_input(ctx, 0, "cache", 4, cache, type))) return st;
+    if ((st = read_input(ctx, 1, "start", 0, start, kInt64))) return st;
+    if ((st = read_input(ctx, 2, "stop", 0, stop, kInt64))) return st;
+    const int64_t B = cache.dims[0], S = cache.dims[1], H = cache.dims[2], d = cache.dims[3];
+    const int64_t s0 = *reinterpret_cast<const int64_t *>(start.data);
+    const int64_t s1 = *reinterpret_cast<const int64_t *>(stop.data);
+    if (s0 < 0 || s1 <= s0 || s1 > S) {
+        char msg[160];
+        std::snprintf(msg, sizeof msg, "dcmha CacheHeads: need 0 <= start < stop <= %lld "
+                      "(the cache length); received start=%lld, stop=%lld", (long long)S,
+                      (long long)s0, (long long)s1);
+        return status(kInvalidArgument, msg);
+    }
+    const int64_t L = s1 - s0, dims[4] = {B, H, L, d};
+    OrtValue *out = nullptr;
+    if ((st = api<OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t,
+                                 OrtValue **)>(kKernelContextGetOutput)(ctx, 0, dims, 4, &out)))
+        return st;
+    void *out_data = nullptr;
+    if ((st = api<OrtStatus *(*)(OrtValue *, void **)>(kGetTensorMutableData)(out, &out_data)))
+        return st;
+    const char *src = reinterpret_cast<const char *>(cache.data);
+    char *dst = static_cast<char *>(out_data);
+    const size_t row = (size_t)d * item;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t s = 0; s < L; s++) {
+            const char *in = src + ((size_t)(b * S + s0 + s) * H) * row;
+            for (int64_t h = 0; h < H; h++)
+                std::memcpy(dst + ((size_t)((b * H + h) * L + s)) * row, in + (size_t)h * row, row);
+        }
+    return nullptr;
+}
+
+int cache_heads_input_type(const OrtCustomOp *o, size_t i) {
+    return i == 0 ? (int)op_of(o).flags : kInt64;
+}
+int cache_heads_output_type(const OrtCustomOp *o, size_t) { return (int)op_of(o).flags; }
+
+template <OrtStatus *(*F)(void *, OrtKernelContext *)>
+void compute_v1(void *kernel, OrtKernelContext *ctx) {
+    OrtStatus *st = F(kernel, ctx);
+    if (st) api<void (*)(OrtStatus *)>(kReleaseStatus)(st);
+}
+
+void *create(const OrtCustomOp *o, const void *, const OrtKernelInfo *) {
+    return const_cast<Op *>(&op_of(o));
+}
+OrtStatus *create_v2(const OrtCustomOp *o, const void *, const OrtKernelInfo *, void **k) {
+    *k = const_cast<Op *>(&op_of(o));
+    return nullptr;
+}
+void destroy(void *) {}
+const char *name_of(const OrtCustomOp *o) { return op_of(o).name; }
+const char *cpu(const OrtCustomOp *) { return nullptr; }   /* the CPU provider */
+int float_type(const OrtCustomOp *, size_t) { return kFloat; }
+size_t input_count(const OrtCustomOp *o) { return op_of(o).inputs; }
+size_t one(const OrtCustomOp *) { return 1; }
+int required(const OrtCustomOp *, size_t) { return 0; }     /* INPUT_OUTPUT_REQUIRED */
+int default_memory(const OrtCustomOp *, size_t) { return 0; }   /* OrtMemTypeDefault */
+int arity(const OrtCustomOp *) { return 1; }
+int first_version(const OrtCustomOp *) { return 1; }
+int last_version(const OrtCustomOp *) { return 2147483647; }
+size_t no_pairs(int **a, int **b) { *a = nullptr; *b = nullptr; return 0; }
+void release_pairs(int *, int *) {}
+
+constexpr OrtCustomOp base_op() {
+    return OrtCustomOp{kOpVersion, create, name_of, cpu, float_type, input_count, float_type,
+                       one, compute_v1<compute>, destroy, required, required, default_memory,
+                       arity, arity, arity, arity, create_v2, compute, nullptr, first_version,
+                       last_version, no_pairs, release_pairs, no_pairs, release_pairs};
+}
+
+constexpr OrtCustomOp cache_heads_op() {
+    return OrtCustomOp{kOpVersion, create, name_of, cpu, cache_heads_input_type, input_count,
+                       cache_heads_output_type, one, compute_v1<cache_heads>, destroy, required,
+                       required, default_memory, arity, arity, arity, arity, create_v2,
+                       cache_heads, nullptr, first_version, last_version, no_pairs,
+                       release_pairs, no_pairs, release_pairs};
+}
+
+constexpr int64_t Q = DCMHA_HAS_WQ, K = DCMHA_HAS_KW, D = DCMHA_HAS_KDD;
+Op g_ops[] = {
+    {base_op(), "ComposeQ", Q, 2},           {base_op(), "ComposeK", K, 3},
+    {base_op(), "ComposeD", D, 2},           {base_op(), "ComposeQK", Q | K, 4},
+    {base_op(), "ComposeQD", Q | D, 3},      {base_op(), "ComposeKD", K | D, 4},
+    {base_op(), "ComposeQKD", Q | K | D, 5},
+    {cache_heads_op(), "CacheHeads", kFloat, 3},
+    {cache_heads_op(), "CacheHeads16", kFloat16, 3},
+};
+
+}  // namespace
+
+extern "C" DCMHA_EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
+                                                     const OrtApiBase *base) {
+    g_api = base->GetApi(kParallelApi);
+    g_parallel = g_api != nullptr;
+    if (!g_api) g_api = base->GetApi(1);
+    if (!g_api) return nullptr;   /* cannot happen: every onnxruntime serves version 1 */
+    OrtCustomOpDomain *domain = nullptr;
+    OrtStatus *st = api<OrtStatus *(*)(const char *, OrtCustomOpDomain **)>(
+        kCreateCustomOpDomain)("dcmha", &domain);
+    for (Op &op : g_ops)
+        if (!st)
+            st = api<OrtStatus *(*)(OrtCustomOpDomain *, const OrtCustomOp *)>(
+                kCustomOpDomainAdd)(domain, &op.base);
+    if (!st)
+        st = api<OrtStatus *(*)(OrtSessionOptions *, OrtCustomOpDomain *)>(kAddCustomOpDomain)(
+            options, domain);
+    return st;
+}
+
+/* The names of the ops, separated by spaces (the loader checks them). */
+extern "C" DCMHA_EXPORT const char *dcmha_ort_op_names(void) {
+    return "ComposeQ ComposeK ComposeD ComposeQK ComposeQD ComposeKD ComposeQKD CacheHeads "
+           "CacheHeads16";
+}
+
+DCMHA_DEFINE_ARGS_LAYOUT(dcmha_cxx_args_layout, dcmha_cxx_args_names)

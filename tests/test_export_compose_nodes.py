@@ -1,0 +1,319 @@
+"""Compose nodes in the ONNX export: ``dcmha.Compose*`` local functions (plain-op bodies) that
+onnxruntime runs as the compiled compose kernel where ``dcmha.export.ort_ops`` is registered.
+
+Each graph runs twice: with the kernel (``core.session``'s default) and with the nodes'
+plain-op bodies (``compose_kernel=False``); both against ``spec/reference.py``.
+"""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+ort = pytest.importorskip("onnxruntime")
+
+from dcmha.backends import cpu_kernel  # noqa: E402
+from dcmha.export import core, ort_ops  # noqa: E402
+from dcmha.spec import reference as ref  # noqa: E402
+from export_cases import close  # noqa: E402
+
+D, B = 8, 2
+
+CONFIGS = {
+    "dcmha": dict(num_heads=4, key_dim=4),
+    "all_switches": dict(num_heads=4, key_dim=4, num_groups=2, num_key_value_heads=2, value_dim=3,
+                         static_compose=True, qk_norm=True, rope_max_wavelength=50.0,
+                         use_bias=True, sliding_window=3, dynamic_hidden_dim=5),
+    "talking_heads": dict(num_heads=4, key_dim=4, static_compose=True, dynamic_projection=False,
+                          dynamic_gating=False),
+    "gating_only_post": dict(num_heads=4, key_dim=4, dynamic_projection=False, pre_compose=False),
+    "projection_only_key_wise": dict(num_heads=6, key_dim=2, num_groups=3, dynamic_gating=False,
+                                     query_wise=False, rank=1),
+    "query_wise_pre": dict(num_heads=4, key_dim=4, key_wise=False, post_compose=False),
+    "gqa_window_m16": dict(num_heads=16, key_dim=2, num_key_value_heads=4, sliding_window=2,
+                           rank=4),
+}
+
+KERNEL = [pytest.param(True, id="kernel"), pytest.param(False, id="bodies")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _library():
+    if ort_ops.library_path() is None:
+        pytest.skip(f"the compose kernel cannot be built here: {ort_ops.unavailable_reason()}")
+
+
+def _params(cfg, D_out=7, seed=0):
+    # scale > 1 takes composition far from the identity, so a wrong term shows
+    p = ref.init_params(cfg, D, D, D_out, rng=np.random.default_rng(seed), scale=30.0)
+    return {n: (v + 0.1 if n.endswith("bias") else v).astype(np.float32) for n, v in p.items()}
+
+
+_close = close
+
+
+def _run(model, feeds, kernel):
+    sess = core.session(model, compose_kernel=kernel)
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+@pytest.mark.parametrize("kernel", KERNEL)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_forward_matches_reference(name, causal, kernel):
+    cfg = ref.Config(**CONFIGS[name], query_chunk_size=3)   # 7 queries: three chunks
+    p = _params(cfg)
+    x = np.random.default_rng(1).normal(size=(B, 7, D)).astype(np.float32)
+    model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=causal))
+    core.check_model(model)
+    assert core.kernel_ops_used([n for f in model.functions for n in f.node])
+    _close(_run(model, {"query": x}, kernel)["output"],
+           ref.attention(p, cfg, x, use_causal_mask=causal), 1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNEL)
+def test_forward_with_mask_and_scores(kernel):
+    cfg = ref.Config(**CONFIGS["all_switches"])
+    p = _params(cfg)
+    x = np.random.default_rng(2).normal(size=(B, 5, D)).astype(np.float32)
+    mask = np.random.default_rng(3).random((B, 5, 5)) > 0.3
+    mask[0, 1] = False                                        # a row with no visible key
+    model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True, attention_mask=True,
+                                                    return_attention_scores=True))
+    out = _run(model, {"query": x, "attention_mask": mask}, kernel)
+    want, inter = ref.attention(p, cfg, x, attention_mask=mask, use_causal_mask=True,
+                                return_intermediates=True)
+    _close(out["output"], want, 1e-5)
+    _close(out["attention_scores"], inter["post_composed"], 1e-5)
+    np.testing.assert_array_equal(out["attention_scores"][0, :, 1], 0.0)
+
+
+@pytest.mark.parametrize("kernel", KERNEL)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("name", ["dcmha", "all_switches", "projection_only_key_wise"])
+def test_decode_matches_reference(name, dtype, kernel):
+    cfg = ref.Config(**CONFIGS[name])
+    p = _params(cfg, D_out=D)
+    np_dtype = core.NP_DTYPES[dtype]
+    steps, S_max = (3, 1, 2, 1), 9
+    x = np.random.default_rng(5).normal(size=(B, sum(steps), D)).astype(np.float32)
+    model = core.export_layer(cfg, {n: v.astype(np_dtype) for n, v in p.items()},
+                              core.CallSpec(decode=True), dtype=dtype)
+    sess = core.session(model, compose_kernel=kernel)
+    names = core.decode_names(cfg)
+    cache = ref.init_cache(cfg, B, S_max)
+    ours = {n: c.astype(np_dtype) for n, c in cache.items()}
+    rel = 1e-5 if dtype == "float32" else 2e-2
+    i = 0
+    for n in steps:
+        feeds = {"query": x[:, i:i + n].astype(np_dtype),
+                 "cache_update_index": np.array(i, np.int64)}
+        feeds.update({"past_" + c: ours[c] for c in names})
+        res = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+        y, cache = ref.decode_step(p, cfg, x[:, i:i + n], cache, i)
+        _close(res["output"], y, rel)
+        ours = {c: res["present_" + c] for c in names}
+        i += n
+
+
+# ---------------------------------------------------------------------------
+# One Compose node: the kernel and the body against the op's definition
+# ---------------------------------------------------------------------------
+
+def _compose_numpy(letters, x, wq=None, kw1=None, kw2=None, kdd=None):
+    """The op's definition in einsums (x (B, N, T, S); see core.compose_function)."""
+    Bx, N, T, S = x.shape
+    G = wq.shape[1] if wq is not None else (kw1 if kw1 is not None else kdd).shape[2]
+    M = N // G
+    x5 = x.reshape(Bx, G, M, T, S).astype(np.float64)
+    out = np.einsum("bgtnm,bgmts->bgnts", np.broadcast_to(wq, (Bx, G, T, M, M)), x5) \
+        if "Q" in letters else x5.copy()
+    if "K" in letters:
+        out += np.einsum("bsgrn,bsgrm,bgmts->bgnts", kw2, kw1, x5)
+    if "D" in letters:
+        out += np.einsum("bsgn,bgnts->bgnts", kdd, x5)
+    return out.reshape(Bx, N, T, S)
+
+
+def _compose_model(letters, shapes):
+    name = "Compose" + letters
+    ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in shapes.items()]
+    node = helper.make_node(name, list(shapes), ["out"], domain=core.DOMAIN)
+    graph = helper.make_graph([node], "compose", ins,
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT,
+                                                             [None] * 4)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(core.DOMAIN, 1)],
+                              functions=[core.compose_function(name)])
+    model.ir_version = 8
+    return model
+
+
+def _compose_inputs(letters, Bx=2, G=2, M=4, R=2, T=3, S=37, wq_batch=True, wq_rows=True,
+                    seed=0):
+    rng = np.random.default_rng(seed)
+    f = lambda *s: rng.normal(size=s).astype(np.float32)   # noqa: E731
+    feeds = {"x": f(Bx, G * M, T, S)}
+    if "Q" in letters:
+        feeds["wq"] = f(Bx if wq_batch else 1, G, T if wq_rows else 1, M, M)
+    if "K" in letters:
+        feeds["kw1"], feeds["kw2"] = f(Bx, S, G, R, M), f(Bx, S, G, R, M)
+    if "D" in letters:
+        feeds["kdd"] = f(Bx, S, G, M)
+    return feeds
+
+
+@pytest.mark.parametrize("kernel", KERNEL)
+@pytest.mark.parametrize("letters", [n[len("Compose"):] for n in core.COMPOSE_OPS])
+def test_each_compose_op_matches_its_definition(letters, kernel):
+    feeds = _compose_inputs(letters)
+    model = _compose_model(letters, {n: v.shape for n, v in feeds.items()})
+    onnx.checker.check_model(model, full_check=True)
+    out = _run(model, feeds, kernel)["out"]
+    np.testing.assert_allclose(out, _compose_numpy(letters, **feeds), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNEL)
+@pytest.mark.parametrize("M, R", [(8, 2), (16, 4), (3, 1), (1, 1)])
+@pytest.mark.parametrize("wq_batch, wq_rows", [(False, False), (True, False), (True, True)])
+def test_compose_sizes_and_broadcast_wq(M, R, wq_batch, wq_rows, kernel):
+    # M, R with fixed-size code paths in the kernel and ones without; S not a multiple of
+    # the kernel's vector width; wq shared by the batch and / or the queries
+    feeds = _compose_inputs("QKD", G=1 if M == 16 else 2, M=M, R=R, S=131,
+                            wq_batch=wq_batch, wq_rows=wq_rows)
+    model = _compose_model("QKD", {n: v.shape for n, v in feeds.items()})
+    np.testing.assert_allclose(_run(model, feeds, kernel)["out"],
+                               _compose_numpy("QKD", **feeds), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_runs_not_the_body():
+    # the body of the function replaced by Identity: right only if the kernel ran
+    letters = "QKD"
+    feeds = _compose_inputs(letters)
+    model = _compose_model(letters, {n: v.shape for n, v in feeds.items()})
+    fn = model.functions[0]
+    del fn.node[:]
+    fn.node.append(helper.make_node("Identity", ["x"], ["out"]))
+    want = _compose_numpy(letters, **feeds)
+    np.testing.assert_allclose(_run(model, feeds, True)["out"], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(_run(model, feeds, False)["out"], feeds["x"])
+
+
+@pytest.mark.parametrize("what, bad, message", [
+    ("wq", lambda f: f["wq"][..., :3], "input wq must have shape (B|1, G, T|1, M, M)"),
+    ("kw1", lambda f: f["kw1"][:, :5], "input kw1 must have shape (B, S, G, R, M)"),
+    ("kdd", lambda f: f["kdd"][:1], "input kdd must have shape (B, S, G, M)"),
+    ("x", lambda f: f["x"][:, :7], "7 heads in x do not split into 2 groups"),
+])
+def test_kernel_rejects_bad_shapes_with_the_input_named(what, bad, message):
+    feeds = _compose_inputs("QKD")
+    feeds[what] = np.ascontiguousarray(bad(feeds))
+    model = _compose_model("QKD", {n: [None] * v.ndim for n, v in feeds.items()})
+    sess = core.session(model)
+    with pytest.raises(Exception, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("|", r"\|")):
+        sess.run(None, feeds)
+
+
+def test_compose_function_names():
+    assert [core.compose_function(n).input for n in ("ComposeQ", "ComposeKD")] == [
+        ["x", "wq"], ["x", "kw1", "kw2", "kdd"]]
+    for bad in ("Compose", "ComposeKQ", "ComposeQQ", "ComposeX", "DCMHA"):
+        with pytest.raises(ValueError, match=f"Not a Compose op name: '{bad}'"):
+            core.compose_function(bad)
+    with pytest.raises(TypeError, match="compose_nodes must be True or False; received 'yes'"):
+        core.ModelBuilder(compose_nodes="yes")
+
+
+def test_plain_export_has_no_compose_nodes_and_agrees():
+    cfg = ref.Config(**CONFIGS["all_switches"])
+    p = _params(cfg)
+    x = np.random.default_rng(4).normal(size=(B, 6, D)).astype(np.float32)
+    plain = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True), compose_nodes=False)
+    nodes = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True))
+    assert [f.name for f in plain.functions] == ["DCMHA"]
+    assert core.kernel_ops_used(plain.functions[0].node) == []
+    assert [f.name for f in nodes.functions] == ["DCMHA", "ComposeQKD"]
+    want = ref.attention(p, cfg, x, use_causal_mask=True)
+    _close(_run(plain, {"query": x}, True)["output"], want, 1e-5)
+    _close(_run(nodes, {"query": x}, True)["output"], want, 1e-5)
+
+
+def test_without_the_kernel_sessions_run_the_bodies(monkeypatch, tmp_path):
+    monkeypatch.setenv("DCMHA_CPU_KERNEL", "0")
+    ort_ops._reset()
+    try:
+        assert ort_ops.library_path() is None
+        assert ort_ops.unavailable_reason() == "disabled by DCMHA_CPU_KERNEL"
+        so = ort.SessionOptions()
+        assert ort_ops.register(so) is False
+        cfg = ref.Config(**CONFIGS["dcmha"])
+        p = _params(cfg)
+        x = np.random.default_rng(6).normal(size=(B, 5, D)).astype(np.float32)
+        model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True))
+        _close(_run(model, {"query": x}, True)["output"],
+               ref.attention(p, cfg, x, use_causal_mask=True), 1e-5)
+    finally:
+        ort_ops._reset()
+
+
+def test_library_is_cached_and_checked():
+    path = ort_ops.library_path()
+    assert path in cpu_kernel.LIBRARIES.values()
+    ort_ops._reset()
+    assert ort_ops.library_path() == path   # found again in the cache, not rebuilt
+
+
+# ---------------------------------------------------------------------------
+# CacheHeads: a decode step's cache range, heads first
+# ---------------------------------------------------------------------------
+
+def _cache_heads_model(dtype):
+    name = core.CACHE_OPS[dtype]
+    ft = core.DTYPES[dtype]
+    ins = [helper.make_tensor_value_info("cache", ft, [None] * 4),
+           helper.make_tensor_value_info("start", TensorProto.INT64, []),
+           helper.make_tensor_value_info("stop", TensorProto.INT64, [])]
+    node = helper.make_node(name, ["cache", "start", "stop"], ["out"], domain=core.DOMAIN)
+    graph = helper.make_graph([node], "cache_heads", ins,
+                              [helper.make_tensor_value_info("out", ft, [None] * 4)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(core.DOMAIN, 1)],
+                              functions=[core.kernel_function(name)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("kernel", KERNEL)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("start, stop", [(0, 9), (0, 1), (3, 7), (8, 9)])
+def test_cache_heads_is_the_range_heads_first(start, stop, dtype, kernel):
+    cache = np.random.default_rng(7).normal(size=(2, 9, 3, 5)).astype(core.NP_DTYPES[dtype])
+    model = _cache_heads_model(dtype)
+    onnx.checker.check_model(model, full_check=True)
+    out = _run(model, {"cache": cache, "start": np.array(start, np.int64),
+                       "stop": np.array(stop, np.int64)}, kernel)["out"]
+    assert out.dtype == cache.dtype
+    np.testing.assert_array_equal(out, cache[:, start:stop].transpose(0, 2, 1, 3))
+
+
+@pytest.mark.parametrize("start, stop", [(-1, 3), (4, 4), (5, 3), (0, 10)])
+def test_cache_heads_rejects_a_range_outside_the_cache(start, stop):
+    sess = core.session(_cache_heads_model("float32"))
+    cache = np.zeros((1, 9, 2, 4), np.float32)
+    with pytest.raises(Exception, match=r"CacheHeads: need 0 <= start < stop <= 9 \(the cache "
+                                        rf"length\); received start={start}, stop={stop}"):
+        sess.run(None, {"cache": cache, "start": np.array(start, np.int64),
+                        "stop": np.array(stop, np.int64)})
+
+
+def test_decode_graph_reads_its_cache_through_cache_heads():
+    cfg = ref.Config(**CONFIGS["dcmha"])
+    for dtype in ("float32", "float16"):
+        model = core.export_layer(cfg, _params(cfg, D_out=D), core.CallSpec(decode=True),
+                                  dtype=dtype)
+        fn = model.functions[0]
+        assert [n.op_type for n in fn.node if n.domain == "dcmha"].count(
+            core.CACHE_OPS[dtype]) == 2
+        assert sorted(f.name for f in model.functions) == sorted(
+            ["DCMHA", "ComposeQKD", core.CACHE_OPS[dtype]])
