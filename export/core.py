@@ -648,9 +648,10 @@ class _Body:
         return outer.op("Loop", trips, "", acc0, body=graph)
 
     def kv_layouts(self, k, v):
-        """(k (B, N_kv, d, S) float32, v (B, N_kv, S, d_v)) from k, v (B, S, N_kv, ...)."""
+        """(k (B, N_kv, S, d) float32, v (B, N_kv, S, d_v)) from k, v (B, S, N_kv, ...): the
+        positions of both on axis 2, where a chunk's key range is a contiguous run per head."""
         e = self.e
-        return (e.cast(e.op("Transpose", k, perm=[0, 2, 3, 1]), self.ft, TensorProto.FLOAT),
+        return (e.cast(e.op("Transpose", k, perm=[0, 2, 1, 3]), self.ft, TensorProto.FLOAT),
                 e.op("Transpose", v, perm=[0, 2, 1, 3]))
 
     def _block(self, rows, cols, t0, t1, S, offset):
@@ -695,12 +696,12 @@ class _Body:
         if call.decode and self.compose_nodes:   # the visible range heads first, one copy each
             op = CACHE_OPS["float16" if self.ft == TensorProto.FLOAT16 else "float32"]
             kh = e.op(op, k, s0, s1, domain=DOMAIN)                       # (B, N_kv, S, d)
-            kt = e.op("Transpose", e.cast(kh, self.ft, TensorProto.FLOAT), perm=[0, 1, 3, 2])
-            cols = (kt, e.op(op, v, s0, s1, domain=DOMAIN), cut_factors(kf, ss))
+            cols = (e.cast(kh, self.ft, TensorProto.FLOAT), e.op(op, v, s0, s1, domain=DOMAIN),
+                    cut_factors(kf, ss))
         elif call.decode:
             cols = self.kv_layouts(cut(k, ss, 1), cut(v, ss, 1)) + (cut_factors(kf, ss),)
         else:
-            cols = (cut(k, ss, 3), cut(v, ss, 2), cut_factors(kf, ss))
+            cols = (cut(k, ss, 2), cut(v, ss, 2), cut_factors(kf, ss))
         o, _ = self.attend(rows, cols, s0, e.op("Sub", s1, s0))
         return o
 
@@ -708,7 +709,7 @@ class _Body:
         """Attention of the queries ``rows`` to the keys ``cols`` at positions s0 + [0, S).
 
         rows: (q (B, T, N, d), the query factors (``factors``), absolute query positions
-        (T,), attention_mask (B, T, S) or None); cols: (k (B, N_kv, d, S) float32,
+        (T,), attention_mask (B, T, S) or None); cols: (k (B, N_kv, S, d) float32,
         v (B, N_kv, S, d_v), the key factors).
         Returns (o (B, T, N*d_v), {"scores", "pre_composed", "probs", "attention_scores"}).
         """
@@ -739,12 +740,14 @@ class _Body:
         # grouped as (N_kv, rep) so that MatMul broadcasts k and v instead of copying them.
         rep = N // N_kv
         q32 = e.cast(e.op("Transpose", q, perm=[0, 2, 1, 3]), ft, F)                 # (B, N, T, d)
-        k32 = k                                                                      # (B, N_kv, d, S)
+        # k (B, N_kv, S, d) transposed right at the MatMul: onnxruntime folds the transpose
+        # into the product (FusedMatMul, transB) instead of copying k
         if rep == 1:
-            a = e.op("MatMul", q32, k32)                                             # (B, N, T, S)
+            a = e.op("MatMul", q32, e.op("Transpose", k, perm=[0, 1, 3, 2]))        # (B, N, T, S)
         else:
             a = e.op("MatMul", e.reshape(q32, 0, N_kv, rep, -1, d),
-                     e.op("Unsqueeze", k32, e.i64(2)))                               # (B, N_kv, rep, T, S)
+                     e.op("Transpose", e.op("Unsqueeze", k, e.i64(2)), perm=[0, 1, 2, 4, 3]))
+            # (B, N_kv, rep, T, S)
             a = e.op("Reshape", a, e.op("Concat", e.dims(a, 0, 1), e.i64(N), e.dims(a, 3, 5), axis=0))
         a = e.op("Mul", a, self.c(1.0 / math.sqrt(d), F))                            # (B, N, T, S)
         outputs["scores"] = a
