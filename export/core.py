@@ -70,8 +70,10 @@ CACHE_OPS = {"float32": "CacheHeads", "float16": "CacheHeads16"}
 #: Every op of the ``dcmha`` domain that ``dcmha.export.ort_ops`` runs as compiled code.
 KERNEL_OPS = COMPOSE_OPS + tuple(CACHE_OPS.values())
 #: Queries per chunk of the chunked attention (``attend_chunks``) unless the
-#: configuration sets ``query_chunk_size``.
+#: configuration sets ``query_chunk_size``: with plain-op composes, and with Compose nodes
+#: (the kernel leaves less work per chunk, so fewer, larger chunks pay: benchmarks/RESULTS.md).
 CHUNK = 64
+KERNEL_CHUNK = 128
 
 Dim = Union[int, str, None]
 
@@ -623,7 +625,7 @@ class _Body:
             return o
         if call.decode:
             return self._block(rows, cols, e.const(0, I64), T, S, offset)
-        chunk = cfg.query_chunk_size or CHUNK
+        chunk = cfg.query_chunk_size or (KERNEL_CHUNK if self.compose_nodes else CHUNK)
         c = e.const(chunk, I64)
         trips = e.op("Div", e.op("Add", T, e.const(chunk - 1, I64)), c)
         B = e.dims(rows[0], 0, 1)

@@ -306,12 +306,14 @@ def test_chunked_forward_matches_reference(name, chunk, causal):
            ref.attention(p, cfg, x, use_causal_mask=causal), 1e-5)
 
 
-def test_chunked_default_size_spans_several_chunks():
+@pytest.mark.parametrize("compose_nodes, chunk", [(True, core.KERNEL_CHUNK), (False, core.CHUNK)])
+def test_chunked_default_size_spans_several_chunks(compose_nodes, chunk):
     cfg = ref.Config(num_heads=4, key_dim=4, rope_max_wavelength=100.0)
     p = _params(cfg)
-    t = core.CHUNK + 3
+    t = chunk + 3
     x = np.random.default_rng(10).normal(size=(1, t, D)).astype(np.float32)
-    model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True))
+    model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True),
+                              compose_nodes=compose_nodes)
     _close(_run(model, {"query": x})["output"], ref.attention(p, cfg, x, use_causal_mask=True), 1e-5)
 
 
