@@ -254,8 +254,9 @@ def _warn_once(message: str) -> None:
 def fallback(tag: str, reason: str):
     """(None, reason), after a ``KernelWarning`` (once per process and reason) that the
     ``tag`` library is unavailable and a slower path runs."""
-    _warn_once(f"dcmha: the compiled CPU kernel ({tag}) is unavailable, so the slower "
-               f"framework code runs: {reason}")
+    slower = ("onnxruntime runs the Compose nodes' plain-op bodies" if tag == "compose_ort"
+              else "the slower framework code runs")
+    _warn_once(f"dcmha: the compiled CPU kernel ({tag}) is unavailable, so {slower}: {reason}")
     return None, reason
 
 

@@ -11,9 +11,11 @@ node and fuse it, any other runtime inlines its plain-op body. The body follows
     P.V -> output projection.
 
 Written for onnxruntime's CPU provider (benchmarks/RESULTS.md, "onnxruntime on the exported graph"): one MatMul
-for every projection of a self-attention input; compose as one batched MatMul
-per side with its factors made once per call; masks as an added bias and a 0/1
-multiplier. A causal or windowed call without (B, N, T, S) outputs runs its
+for every projection of a self-attention input; each compose one ``dcmha.Compose*``
+node (a local function with a plain-op body, which onnxruntime runs as the compiled
+compose kernel when ``dcmha.export.ort_ops`` is registered; ``compose_nodes=False``
+writes the composes as plain ops: one batched MatMul per side with its factors made
+once per call); masks as an added bias and a 0/1 multiplier. A causal or windowed call without (B, N, T, S) outputs runs its
 queries in chunks (an ONNX Loop, SPEC.md "Query chunking"), each on the keys it
 can see; a decode step reads only the cache positions written so far.
 
@@ -510,7 +512,8 @@ class _Body:
         return terms[0] if len(terms) == 1 else e.op("Sum", *terms)
 
     def _compose_node(self, x, stage, qf, kf, plus):
-        """compose() as one ``dcmha.Compose<QKD>`` node on x (B, N, T, S) (``compose_node``)."""
+        """compose() as one ``dcmha.Compose<Q|K|D>`` node on x (B, N, T, S) (see
+        ``compose_function``); ``plus`` is added after it."""
         e = self.e
         Wk = kf[stage][0] if stage in kf else {}
         letters = ("Q" if stage in qf else "") + ("K" if "w1" in Wk else "") + ("D" if "dd" in Wk else "")

@@ -52,6 +52,7 @@ def _errors(text):
 
 @pytest.mark.parametrize("model,flags", [
     ("lm", []), ("lm", ["--decode"]), ("lm", ["--fp16"]), ("functional", ["--fp16"]),
+    ("lm", ["--decode", "--no-compose-nodes"]),
 ])
 def test_cli_exports_and_verifies(tmp_path, capsys, saved, model, flags):
     out = tmp_path / "m.onnx"
@@ -64,6 +65,12 @@ def test_cli_exports_and_verifies(tmp_path, capsys, saved, model, flags):
     proto = onnx.load(str(out))
     assert len([n for n in proto.graph.node if n.domain == "dcmha"]) == (2 if model == "lm" else 1)
     assert ("cache_update_index" in [i.name for i in proto.graph.input]) == ("--decode" in flags)
+    # each compose a dcmha.Compose* function unless --no-compose-nodes
+    composes = sorted(f.name for f in proto.functions if f.name.startswith("Compose"))
+    n_dcmha = len(proto.functions) - len([f for f in proto.functions
+                                          if f.name in core.KERNEL_OPS])
+    assert bool(composes) == ("--no-compose-nodes" not in flags)
+    assert f"{n_dcmha} DCMHA function(s), " in text
     assert _leftovers(tmp_path) == []
 
 

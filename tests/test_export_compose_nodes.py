@@ -317,3 +317,26 @@ def test_decode_graph_reads_its_cache_through_cache_heads():
             core.CACHE_OPS[dtype]) == 2
         assert sorted(f.name for f in model.functions) == sorted(
             ["DCMHA", "ComposeQKD", core.CACHE_OPS[dtype]])
+
+
+def test_a_library_that_cannot_be_built_warns_once_and_sessions_run_the_bodies(monkeypatch,
+                                                                                 tmp_path):
+    monkeypatch.setenv("DCMHA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu_kernel._reset()
+    ort_ops._reset()
+    try:
+        with pytest.warns(cpu_kernel.KernelWarning,
+                          match=r"the compiled CPU kernel \(compose_ort\) is unavailable, so "
+                                r"onnxruntime runs the Compose nodes' plain-op bodies: "):
+            assert ort_ops.library_path() is None
+        assert "no-such-compiler" in ort_ops.unavailable_reason()
+        cfg = ref.Config(**CONFIGS["dcmha"])
+        p = _params(cfg)
+        x = np.random.default_rng(8).normal(size=(B, 5, D)).astype(np.float32)
+        model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True))
+        _close(_run(model, {"query": x}, True)["output"],
+               ref.attention(p, cfg, x, use_causal_mask=True), 1e-5)
+    finally:
+        cpu_kernel._reset()
+        ort_ops._reset()
