@@ -239,6 +239,16 @@ def test_plain_export_has_no_compose_nodes_and_agrees():
     _close(_run(nodes, {"query": x}, True)["output"], want, 1e-5)
 
 
+def _default_session_matches_reference(seed):
+    """A causal layer's graph in ``core.session`` (with whatever kernel state) against the spec."""
+    cfg = ref.Config(**CONFIGS["dcmha"])
+    p = _params(cfg)
+    x = np.random.default_rng(seed).normal(size=(B, 5, D)).astype(np.float32)
+    model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True))
+    _close(_run(model, {"query": x}, True)["output"],
+           ref.attention(p, cfg, x, use_causal_mask=True), 1e-5)
+
+
 def test_without_the_kernel_sessions_run_the_bodies(monkeypatch, tmp_path):
     monkeypatch.setenv("DCMHA_CPU_KERNEL", "0")
     ort_ops._reset()
@@ -247,12 +257,7 @@ def test_without_the_kernel_sessions_run_the_bodies(monkeypatch, tmp_path):
         assert ort_ops.unavailable_reason() == "disabled by DCMHA_CPU_KERNEL"
         so = ort.SessionOptions()
         assert ort_ops.register(so) is False
-        cfg = ref.Config(**CONFIGS["dcmha"])
-        p = _params(cfg)
-        x = np.random.default_rng(6).normal(size=(B, 5, D)).astype(np.float32)
-        model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True))
-        _close(_run(model, {"query": x}, True)["output"],
-               ref.attention(p, cfg, x, use_causal_mask=True), 1e-5)
+        _default_session_matches_reference(seed=6)
     finally:
         ort_ops._reset()
 
@@ -331,12 +336,7 @@ def test_a_library_that_cannot_be_built_warns_once_and_sessions_run_the_bodies(m
                                 r"onnxruntime runs the Compose nodes' plain-op bodies: "):
             assert ort_ops.library_path() is None
         assert "no-such-compiler" in ort_ops.unavailable_reason()
-        cfg = ref.Config(**CONFIGS["dcmha"])
-        p = _params(cfg)
-        x = np.random.default_rng(8).normal(size=(B, 5, D)).astype(np.float32)
-        model = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True))
-        _close(_run(model, {"query": x}, True)["output"],
-               ref.attention(p, cfg, x, use_causal_mask=True), 1e-5)
+        _default_session_matches_reference(seed=8)
     finally:
         cpu_kernel._reset()
         ort_ops._reset()
