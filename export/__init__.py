@@ -3,10 +3,13 @@
     to_onnx(obj, path, ...)      write a DCMHA layer / Keras model as ONNX (atomically)
     verify(path, obj, inputs)    run it in onnxruntime and compare with Keras
     export_layer(cfg, params)    the framework-free core: one call from a spec Config
+    session(path)                an onnxruntime CPU session, with the compose kernel
 
 Each DCMHA call is a node of an ONNX local function in the ``dcmha`` domain
-(plain-op body; see ``dcmha.export.core``). Keras is imported only by
-``to_onnx`` / ``verify``, so the core runs without it.
+(plain-op body; see ``dcmha.export.core``), whose composes are ``dcmha.Compose*``
+nodes, local functions too, that onnxruntime runs as the compiled compose kernel
+once ``dcmha.export.ort_ops`` is registered (``session`` does). Keras is imported
+only by ``to_onnx`` / ``verify``, so the core runs without it.
 """
 
 from __future__ import annotations
