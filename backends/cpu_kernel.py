@@ -142,13 +142,15 @@ class _Step:
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """A library to build: its steps (the last one's output is the library), the extra
-    parts of its cache key, the symbols it must export and the ``Args`` layouts (pairs of
-    layout / names functions) checked against ctypes' ``_Args`` when it is loaded."""
+    parts of its cache key, the symbols it must export, the ``Args`` layouts (pairs of
+    layout / names functions) checked against ctypes' ``_Args`` when it is loaded, and what
+    runs instead when it is unavailable (the ``KernelWarning``'s words)."""
     tag: str
     steps: tuple
     key_parts: tuple = ()
     symbols: tuple = ()
     layouts: tuple = ()
+    instead: str = "the slower framework code runs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,8 +204,10 @@ def ort_recipe(ort_version: str) -> Recipe:
     """The kernel as onnxruntime custom ops (``csrc/ort_op.cc``, the ``dcmha.Compose*`` nodes of
     ``dcmha.export``'s ``compose_nodes=True`` graphs). It needs no onnxruntime headers or
     libraries; ``SessionOptions.register_custom_ops_library`` opens it."""
-    return _wrapper_recipe("compose_ort", "ort_op.cc", [], (), (f"onnxruntime {ort_version}",),
-                           ("RegisterCustomOps", "dcmha_ort_op_names"))
+    recipe = _wrapper_recipe("compose_ort", "ort_op.cc", [], (), (f"onnxruntime {ort_version}",),
+                             ("RegisterCustomOps", "dcmha_ort_op_names"))
+    return dataclasses.replace(recipe,
+                               instead="onnxruntime runs the Compose nodes' plain-op bodies")
 
 
 _FIELDS = (
@@ -251,12 +255,10 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, KernelWarning, stacklevel=3)
 
 
-def fallback(tag: str, reason: str):
+def fallback(tag: str, reason: str, instead: str = Recipe.instead):
     """(None, reason), after a ``KernelWarning`` (once per process and reason) that the
-    ``tag`` library is unavailable and a slower path runs."""
-    slower = ("onnxruntime runs the Compose nodes' plain-op bodies" if tag == "compose_ort"
-              else "the slower framework code runs")
-    _warn_once(f"dcmha: the compiled CPU kernel ({tag}) is unavailable, so {slower}: {reason}")
+    ``tag`` library is unavailable and ``instead`` (a slower path) runs."""
+    _warn_once(f"dcmha: the compiled CPU kernel ({tag}) is unavailable, so {instead}: {reason}")
     return None, reason
 
 
@@ -552,23 +554,26 @@ def build_library(recipe: Recipe, load: bool = True):
     with ``check_library`` after loading), or (None, reason) after a ``KernelWarning``."""
     if disabled():
         return None, "disabled by DCMHA_CPU_KERNEL"
+
+    def fail(why):
+        return fallback(recipe.tag, why, recipe.instead)
     if sys.platform == "win32":
-        return fallback(recipe.tag, "the C kernels are built on POSIX systems only")
+        return fail("the C kernels are built on POSIX systems only")
     the_plan, why = plan(recipe)
     if the_plan is None:
-        return fallback(recipe.tag, why)
+        return fail(why)
     path, why = _obtain(the_plan)
     if path is None:
-        return fallback(recipe.tag, why)
+        return fail(why)
     LIBRARIES[the_plan.name] = path
     if not load:
         return path, None
     try:
         lib = ctypes.CDLL(path)
     except OSError as e:
-        return fallback(recipe.tag, f"loading {path} failed: {e}")
+        return fail(f"loading {path} failed: {e}")
     why = check_library(lib, recipe)
-    return (lib, None) if why is None else fallback(recipe.tag, why)
+    return (lib, None) if why is None else fail(why)
 
 
 def check_library(lib, recipe: Recipe) -> Optional[str]:

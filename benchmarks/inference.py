@@ -314,7 +314,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.section in ("decode", "all"):
             tail = ["--cases", ",".join(cases), "--repeats", str(args.repeats)]
-            result["decode"] = [r for b in backends for r in _run_backend(b, tail, tmp, args.omp_wait_policy)]
+            result["decode"] = [r for b in backends
+                                for r in _run_backend(b, tail, tmp, args.omp_wait_policy)]
             decode_table(result["decode"])
         if args.section in ("onnx", "all"):
             result["onnx"] = onnx_section(backends, args.repeats, tmp)

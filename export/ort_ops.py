@@ -14,13 +14,14 @@ switch); ``register(session_options)`` registers it. ``dcmha.export.session`` do
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Optional, Tuple
 
+from dcmha.export.core import KERNEL_OPS as OP_NAMES   # the ops the library must define
+
 _LOCK = threading.Lock()
 _STATE: dict = {}
-
-from dcmha.export.core import KERNEL_OPS as OP_NAMES   # the ops the library must define
 
 
 def library() -> Tuple[Optional[str], Optional[str]]:
@@ -30,16 +31,19 @@ def library() -> Tuple[Optional[str], Optional[str]]:
             import onnxruntime
 
             from dcmha.backends import cpu_kernel
-            lib, why = cpu_kernel.build_library(cpu_kernel.ort_recipe(onnxruntime.__version__))
+            recipe = cpu_kernel.ort_recipe(onnxruntime.__version__)
+            lib, why = cpu_kernel.build_library(recipe)
             path = None
             if lib is not None:
                 names = lib.dcmha_ort_op_names
-                names.restype = __import__("ctypes").c_char_p
+                names.restype = ctypes.c_char_p
                 found = tuple((names() or b"").decode("ascii").split())
-                if found != OP_NAMES:
-                    why = f"the library {lib._name} defines the ops {found}, expected {OP_NAMES}"
-                else:
+                if found == OP_NAMES:
                     path = lib._name
+                else:      # refused like any other unusable library: one KernelWarning
+                    _, why = cpu_kernel.fallback(recipe.tag, f"the library {lib._name} defines "
+                                                 f"the ops {found}, expected {OP_NAMES}",
+                                                 recipe.instead)
             _STATE["path"], _STATE["why"] = path, why
         return _STATE["path"], _STATE["why"]
 

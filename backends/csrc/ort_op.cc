@@ -32,6 +32,7 @@
    Compiles on its own: c++ -std=c++17 -O2 -shared -fPIC ort_op.cc compose.o */
 #include <cstdio>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "compose_wrap.h"
@@ -408,10 +409,14 @@ extern "C" DCMHA_EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
     return st;
 }
 
-/* The names of the ops, separated by spaces (the loader checks them). */
+/* The names of the ops registered (g_ops), separated by spaces (the loader checks them). */
 extern "C" DCMHA_EXPORT const char *dcmha_ort_op_names(void) {
-    return "ComposeQ ComposeK ComposeD ComposeQK ComposeQD ComposeKD ComposeQKD CacheHeads "
-           "CacheHeads16";
+    static const std::string names = [] {
+        std::string all;
+        for (const Op &op : g_ops) all += (all.empty() ? "" : " ") + std::string(op.name);
+        return all;
+    }();
+    return names.c_str();
 }
 
 DCMHA_DEFINE_ARGS_LAYOUT(dcmha_cxx_args_layout, dcmha_cxx_args_names)
