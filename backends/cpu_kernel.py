@@ -100,7 +100,8 @@ import threading
 import warnings
 from typing import Optional
 
-__all__ = ["load", "unavailable_reason", "compose_forward", "compose_backward", "disabled",
+__all__ = ["load", "unavailable_reason", "compose_forward", "compose_backward",
+           "compose_cached", "cached_flags", "CACHED_TERMS", "disabled",
            "KernelWarning", "Recipe", "Plan", "compose_recipe", "ffi_recipe", "tf_recipe",
            "ort_recipe", "plan", "build_library", "check_library", "fallback", "cache_dir",
            "CSRC"]
@@ -114,7 +115,8 @@ _OPT = ("-O3", "-march=native")
 _TIMEOUT_S = 300
 _CC = ("CC", "C", ("cc", "gcc", "clang"))
 _CXX = ("CXX", "C++", ("c++", "g++", "clang++"))
-_KERNEL_SYMBOLS = ("dcmha_compose_forward", "dcmha_compose_backward")
+_KERNEL_SYMBOLS = ("dcmha_compose_forward", "dcmha_compose_backward", "dcmha_fill_args",
+                   "dcmha_cached_scratch", "dcmha_cached_args", "dcmha_compose_cached")
 #: The (layout, names) functions of DCMHA_DEFINE_ARGS_LAYOUT: the C kernel's, a C++ wrapper's.
 _C_LAYOUT = ("dcmha_args_layout", "dcmha_args_names")
 _CXX_LAYOUT = ("dcmha_cxx_args_layout", "dcmha_cxx_args_names")
@@ -189,7 +191,7 @@ def ffi_recipe(include_dir: str, jaxlib_version: str) -> Recipe:
     against jaxlib's FFI headers in ``include_dir``."""
     return _wrapper_recipe("compose_xla_ffi", "xla_ffi.cc", [f"-I{include_dir}"], (),
                            (f"jaxlib {jaxlib_version}", include_dir),
-                           ("DcmhaComposeForward", "DcmhaComposeBackward"))
+                           ("DcmhaComposeForward", "DcmhaComposeBackward", "DcmhaComposeCached"))
 
 
 def tf_recipe(compile_flags, link_flags, tf_version: str) -> Recipe:
@@ -627,6 +629,8 @@ def load():
                 for fn in (lib.dcmha_compose_forward, lib.dcmha_compose_backward):
                     fn.argtypes = [ctypes.POINTER(_Args)]
                     fn.restype = ctypes.c_int
+                lib.dcmha_compose_cached.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_void_p] * 9
+                lib.dcmha_compose_cached.restype = ctypes.c_int
             _STATE["lib"], _STATE["reason"] = lib, reason
         return _STATE["lib"]
 
@@ -687,6 +691,36 @@ def compose_forward(lib, x, out, st, G, R):
     a = _args(x, out, st, G, N // G, R, s)
     if lib.dcmha_compose_forward(ctypes.byref(a)):
         raise MemoryError("dcmha C kernel: out of memory for its chunk buffer")
+    return out
+
+
+#: The spec's terms in the order of ``dcmha_compose_cached``'s arguments (and of the XLA FFI
+#: handler ``DcmhaComposeCached``'s inputs after x).
+CACHED_TERMS = ("qw1", "qw2", "qdd", "static", "kw1", "kw2", "kdd")
+#: Each term's bit in the FFI handler's ``flags`` (``DCMHA_HAS_*`` of ``csrc/dcmha_args.h``).
+_CACHED_FLAGS = {"qw1": 8, "qw2": 8, "qdd": 16, "static": 32, "kw1": 2, "kw2": 2, "kdd": 4}
+
+
+def cached_flags(names) -> int:
+    """The FFI handler's ``flags`` for the terms ``names`` (a subset of ``CACHED_TERMS``)."""
+    flags = 0
+    for n in names:
+        flags |= _CACHED_FLAGS[n]
+    return flags
+
+
+def compose_cached(lib, x, out, terms):
+    """out = Compose(x) for one query row: x, out (B, G, M, S) float32 contiguous; terms
+    (names of ``CACHED_TERMS``, float32 contiguous, absent ones left out): qw1, qw2 (B, 1,
+    G, R, M), qdd (B, 1, G, M), static (G, M, M), and the key side in the decode cache's
+    layout, kw1, kw2 (B, S, G, R, M), kdd (B, S, G, M). ``dcmha_compose_cached`` of
+    ``csrc/dcmha_args.h`` (the arithmetic of ``dcmha.ops.decode_compose``)."""
+    B, G, M, S = x.shape
+    ptrs = [terms[n].data_ptr() if n in terms else None for n in CACHED_TERMS]
+    rq = terms["qw1"].shape[3] if "qw1" in terms else 1
+    rk = terms["kw1"].shape[3] if "kw1" in terms else 1
+    if lib.dcmha_compose_cached(B, G, M, 1, S, rq, rk, x.data_ptr(), out.data_ptr(), *ptrs):
+        raise MemoryError("dcmha C kernel: out of memory for its scratch buffer")
     return out
 
 

@@ -494,7 +494,7 @@ def key_range(t0, t1, S, *, use_causal_mask, sliding_window, query_offset):
 
 #: The terms ``decode_compose`` applies in low-rank form (as products in its broadcast
 #: form); any other term of the spec goes through its factor (``compose_factors``).
-_LOW_RANK_TERMS = frozenset({"qw1", "qw2", "qdd", "kw1", "kw2", "kdd", "static"})
+LOW_RANK_TERMS = frozenset({"qw1", "qw2", "qdd", "kw1", "kw2", "kdd", "static"})
 _LOW_RANK_KEY_TERMS = ("kw1", "kw2", "kdd")
 
 
@@ -522,10 +522,10 @@ def decode_compose(x, terms, M, *, einsum=None, matmul=None, eye=None, reduce_su
       * x + static^T x + the key side. For eager dispatch: an einsum or a small
       matmul costs several times a product there (a small torch ``bmm`` enters an
       OpenMP parallel region whatever its size). With a term of the spec outside
-      ``_LOW_RANK_TERMS`` the call takes the einsum form.
+      ``LOW_RANK_TERMS`` the call takes the einsum form.
     """
     einsum, matmul, eye = einsum or ops.einsum, matmul or ops.matmul, eye or _eye32
-    if reduce_sum is not None and terms.keys() <= _LOW_RANK_TERMS:
+    if reduce_sum is not None and terms.keys() <= LOW_RANK_TERMS:
         return _decode_compose_products(x, terms, reduce_sum, transpose)
     wq = spec_terms.compose_factors(terms, M, einsum=einsum, eye=eye, factors=("query",))[0]
     if wq is not None and len(wq.shape) == 5:               # (B, 1, G, M, M) per query
@@ -545,7 +545,7 @@ def decode_compose(x, terms, M, *, einsum=None, matmul=None, eye=None, reduce_su
 
 
 def _decode_compose_products(x, terms, reduce_sum, transpose):
-    """``decode_compose``'s broadcast form (see there), for the terms of ``_LOW_RANK_TERMS``."""
+    """``decode_compose``'s broadcast form (see there), for the terms of ``LOW_RANK_TERMS``."""
     out = x
     if "qw1" in terms:                                   # (B, 1, G, R, M) -> (B, G, R, M, 1)
         qw1, qw2 = terms["qw1"][:, 0, ..., None], terms["qw2"][:, 0, ..., None]
@@ -568,7 +568,8 @@ def _decode_compose_products(x, terms, reduce_sum, transpose):
     return out
 
 
-def _attention_one_query(q, k, v, mask, pre, post, *, num_groups, rows_may_be_empty):
+def _attention_one_query(q, k, v, mask, pre, post, *, num_groups, rows_may_be_empty,
+                         compose=None):
     """The core for one query (T = 1: a decoding step), without (B, N, T, S) extras.
 
     q: (B, 1, N, d) pre-scaled, k: (B, S, N_kv, d), v: (B, S, N_kv, d_v) float32;
@@ -576,7 +577,10 @@ def _attention_one_query(q, k, v, mask, pre, post, *, num_groups, rows_may_be_em
     Returns o (B, 1, N, d_v). The same math as ``_attend_block`` with a few,
     layout-free ops: the scores, composes and P.V are einsums on the (B, G, M, S)
     view (no explicit transposed copies of the cache; no (S, G, M, M) key factor).
+    ``compose``: the function that composes (``decode_compose``'s signature, default
+    ``decode_compose``; a backend passes its kernel).
     """
+    compose = compose or decode_compose
     B, _, N, d = ops.shape(q)
     S, N_kv, d_v = ops.shape(k)[1], k.shape[2], v.shape[-1]
     G, rep = num_groups, N // N_kv
@@ -584,7 +588,7 @@ def _attention_one_query(q, k, v, mask, pre, post, *, num_groups, rows_may_be_em
     qh = ops.reshape(q, (B, N_kv, rep, d))
     x = ops.reshape(ops.einsum("bhrd,bshd->bhrs", qh, k), (B, G, M, S))
     if pre:
-        x = decode_compose(x, pre, M)
+        x = compose(x, pre, M)
     if mask is not None:
         # (B|1, 1, S|1) -> (B|1, 1, 1, S|1); per head (B|1, N, 1, S|1) -> (B|1, G, M, S|1)
         m = mask if len(mask.shape) == 4 else mask[:, None]
@@ -594,7 +598,7 @@ def _attention_one_query(q, k, v, mask, pre, post, *, num_groups, rows_may_be_em
     # (_shape: a traced size is unknown, so an exporter's trace at S=1 keeps the softmax.)
     p = ops.ones_like(x) if _shape(x)[-1] == 1 else ops.softmax(x, axis=-1)
     if post:
-        p = decode_compose(p, post, M)
+        p = compose(p, post, M)
     o = ops.einsum("bhrs,bshv->bhrv", ops.reshape(p, (B, N_kv, rep, S)), v)
     o = ops.reshape(o, (B, 1, N, d_v))
     if mask is not None and rows_may_be_empty:
@@ -734,7 +738,8 @@ def _attention_looped(q, k, v, mask, pre, post, *, num_groups, chunk, use_causal
 
 def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask,
                    sliding_window, query_offset, query_chunk_size, dropout_rate, seed,
-                   training, return_attention_scores, return_intermediates, auto_chunk):
+                   training, return_attention_scores, return_intermediates, auto_chunk,
+                   one_query_compose=None):
     """The plain ``keras.ops`` attention core (see ``dcmha_attention``).
 
     Chunked queries read only the key blocks a causal mask or window leaves
@@ -768,7 +773,8 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
         one_mask = block_mask(mask, 0, 1, 0, S, use_causal_mask=use_causal_mask,
                               sliding_window=sliding_window, query_offset=query_offset)
         return _attention_one_query(q, k, v, one_mask, pre, post, num_groups=G,
-                                    rows_may_be_empty=rows_may_be_empty), {}
+                                    rows_may_be_empty=rows_may_be_empty,
+                                    compose=one_query_compose), {}
     if (len(q_bounds) > MAX_UNROLLED_CHUNKS and not wanted
             and not (training and dropout_rate > 0.0)
             and keras.backend.backend() in _LOOPED_BACKENDS):
@@ -835,9 +841,11 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
     return o, result
 
 
-def attention(call):
-    """The "ops" implementation: the plain core on a validated ``AttentionCall``."""
-    return _attention_ops(**call.arguments())
+def attention(call, *, one_query_compose=None):
+    """The "ops" implementation: the plain core on a validated ``AttentionCall``.
+    ``one_query_compose`` replaces ``decode_compose`` in the one-query path (a backend's
+    compiled compose, e.g. "jax_decode")."""
+    return _attention_ops(**call.arguments(), one_query_compose=one_query_compose)
 
 
 #: The plain core's registration (entry point ``ops`` of ``dcmha.implementations``).

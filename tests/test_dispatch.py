@@ -32,10 +32,10 @@ from dcmha.layers import DCMHA
 
 BACKEND = keras.backend.backend()
 #: Every ``implementation`` name, as the error message lists them.
-NAMES = ["auto", "jax_cpu", "ops", "pallas", "tf_cpu", "tf_decode", "torch", "torch_decode",
-         "triton", "xla"]
+NAMES = ["auto", "jax_cpu", "jax_decode", "ops", "pallas", "tf_cpu", "tf_decode", "torch",
+         "torch_decode", "triton", "xla"]
 #: The fast paths "auto" tries on each Keras backend, in order (higher priority first).
-AUTO_ORDER = {"torch": ["triton", "torch_decode", "torch"], "jax": ["pallas", "jax_cpu"],
+AUTO_ORDER = {"torch": ["triton", "torch_decode", "torch"], "jax": ["pallas", "jax_decode", "jax_cpu"],
               "tensorflow": ["tf_decode", "tf_cpu", "xla"], "numpy": []}
 #: TRITON_INTERPRET as the process started (Triton reads it when first imported).
 INTERPRET_STEP = (BACKEND == "torch" and os.environ.get("TRITON_INTERPRET") == "1"
@@ -204,7 +204,7 @@ def test_registry_names_backends_and_auto_order():
     assert sorted(("auto",) + tuple(table)) == NAMES
     assert {n: impl.backend for n, impl in table.items()} == {
         "ops": "any", "triton": "torch", "torch": "torch", "torch_decode": "torch", "pallas": "jax",
-        "xla": "tensorflow", "jax_cpu": "jax", "tf_cpu": "tensorflow", "tf_decode": "tensorflow"}
+        "xla": "tensorflow", "jax_cpu": "jax", "jax_decode": "jax", "tf_cpu": "tensorflow", "tf_decode": "tensorflow"}
     # "auto" tries this backend's fast paths by priority, then "ops" (a small eager call
     # on CPU is taken by none of them, so explain lists them all).
     assert [name for name, _ in registry.explain(make_call())] == AUTO_ORDER[BACKEND] + ["ops"]
@@ -517,6 +517,7 @@ def test_pallas_taken_by_auto_on_a_gpu_only(monkeypatch, platform, expected):
             ("pallas", "the call needs a query_offset that is a tensor (e.g. a "
                        "cache_update_index inside a traced function), which it takes only as "
                        "an int"),
+            ("jax_decode", "'auto' takes it on cpu, not on gpu"),
             ("jax_cpu", "'auto' takes it on cpu, not on gpu"), ("ops", None)]
 
 

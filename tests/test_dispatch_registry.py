@@ -45,6 +45,7 @@ BUILT_INS = {
     "tf_cpu": "dcmha.backends.tf_cpu:IMPLEMENTATION",
     "xla": "dcmha.backends.xla:IMPLEMENTATION",
     "tf_decode": "dcmha.backends.xla:DECODE_IMPLEMENTATION",
+    "jax_decode": "dcmha.backends.jax_cpu:DECODE_IMPLEMENTATION",
 }
 #: Where each built-in runs and how "auto" takes it: (backend, devices, auto_devices,
 #: priority, min_length_product). What each lacks is pinned by its own tests (and dropout
@@ -59,6 +60,7 @@ DECLARED = {
     "tf_cpu": ("tensorflow", {"cpu"}, {"cpu"}, 20, 8192),
     "xla": ("tensorflow", {"cpu", "gpu"}, {"cpu", "gpu"}, 10, 0),
     "tf_decode": ("tensorflow", {"cpu", "gpu"}, {"cpu"}, 25, 0),
+    "jax_decode": ("jax", {"cpu"}, {"cpu"}, 15, 0),
 }
 CAPABILITIES = ["attention_scores", "dropout", "head_masks", "intermediates", "query_offset",
                 "symbolic_shapes", "traced_offset"]
@@ -397,7 +399,7 @@ def expected_rows(size):
     """explain's rows for ``describe(T=size)``, eager, on CPU."""
     small = size == SMALL
     if BACKEND == "jax":
-        rows = [("pallas", AUTO_GPU_ONLY),
+        rows = [("pallas", AUTO_GPU_ONLY), ("jax_decode", "not preferred for this call"),
                 ("jax_cpu", AUTO_SMALL.format(size * size) if small else _kernel_row("jax_cpu"))]
     elif BACKEND == "torch":
         rows = [("triton", AUTO_GPU_ONLY), ("torch_decode", "not preferred for this call"),

@@ -22,7 +22,8 @@ from test_layer_numerics import assert_close, np_
 
 BACKEND = keras.backend.backend()
 #: The implementations with a one-query path on this backend (forced by name).
-IMPLEMENTATIONS = ["ops"] + {"torch": ["torch_decode"], "tensorflow": ["tf_decode"]}.get(BACKEND, [])
+IMPLEMENTATIONS = ["ops"] + {"torch": ["torch_decode"], "tensorflow": ["tf_decode"],
+                             "jax": ["jax_decode"]}.get(BACKEND, [])
 
 
 @pytest.fixture
@@ -67,6 +68,8 @@ CONFIGS = {
     "mqa_pre_only": dict(num_heads=4, key_dim=8, num_key_value_heads=1, num_groups=4,
                          post_compose=False),
     "off": dict(num_heads=4, key_dim=8, pre_compose=False, post_compose=False),
+    "static_only": dict(num_heads=4, key_dim=8, num_groups=2, query_wise=False, key_wise=False,
+                        static_compose=True),
 }
 
 
@@ -197,3 +200,103 @@ def test_traced_layer_step_matches_reference(reference_case, one_query_calls):
     y_ref, _ = reference.decode_step(case["params"], cfg, x[:, 4:], ref_cache, 4)
     assert_close(y, y_ref)
     assert len(one_query_calls) == 1
+
+
+def _kernel_spy(monkeypatch):
+    """(implementation, calls): the one-query path of this backend that runs its composes in
+    the compiled kernel, and the list its kernel calls append to; a skip without one."""
+    from dcmha.backends import cpu_kernel
+    ran = []
+    if BACKEND == "jax":
+        from dcmha.backends.jax_cpu import dcmha_jax_cpu as module
+        name, implementation = "_cached_ffi", "jax_decode"
+    elif BACKEND == "torch":
+        module, name, implementation = cpu_kernel, "compose_cached", "torch_decode"
+    else:
+        pytest.skip("no compiled one-query compose on this backend")
+    if not cpu_kernel.load() or (BACKEND == "jax" and not module.load()):
+        pytest.skip(f"no compiled kernel: {cpu_kernel.unavailable_reason()}")
+    inner = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: ran.append(1) or inner(*a))
+    return implementation, ran
+
+
+@pytest.mark.parametrize("name", ["dcmha", "gqa_groups_static_window", "key_wise_only_rank1",
+                                  "query_wise_only_gating", "mqa_pre_only", "static_only"])
+def test_decode_composes_in_the_kernel(reference_case, monkeypatch, name):
+    """"jax_decode" / "torch_decode" run each compose of the step as one call of the
+    compiled kernel (jax: eager and jitted), at the spec's numbers."""
+    implementation, ran = _kernel_spy(monkeypatch)
+    t, S = 4, 7
+    cfg, p, q, k, v, qdyn, kdyn, terms, f32 = _core_case(reference_case, CONFIGS[name], t, S)
+    mask = reference.make_mask(q.shape[0], 1, S, use_causal_mask=True,
+                               sliding_window=cfg.sliding_window, query_offset=t)
+    o_ref, _ = reference.attend(cfg, p, q, k, v, qdyn, kdyn, mask)
+
+    def core(q, k, v, index):
+        return dops.dcmha_attention(q, k, v, num_groups=cfg.G, pre=terms.get("pre"),
+                                    post=terms.get("post"), use_causal_mask=True,
+                                    sliding_window=cfg.sliding_window, query_offset=index,
+                                    implementation=implementation)
+    stages = len(terms)
+    assert_close(core(f32(q), f32(k), f32(v), t), o_ref)
+    assert len(ran) == stages
+    if BACKEND == "jax":
+        import jax
+        assert_close(jax.jit(core)(f32(q), f32(k), f32(v), np.int32(t)), o_ref)
+        assert len(ran) == 2 * stages
+
+
+def _jax_kernel():
+    """The JAX CPU kernel module, or a skip when it does not build here."""
+    from dcmha.backends.jax_cpu import dcmha_jax_cpu
+    if not dcmha_jax_cpu.load():
+        pytest.skip(f"no compiled kernel: {dcmha_jax_cpu.unavailable_reason()}")
+    return dcmha_jax_cpu
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the jax_decode kernel (jax.ffi)")
+def test_jax_decode_compose_gradient_is_the_plain_forms(reference_case):
+    """The kernel's compose differentiates as ``dcmha.ops.decode_compose`` (its backward
+    is the plain form's vjp)."""
+    kernel = _jax_kernel()
+    import jax
+    import jax.numpy as jnp
+    kwargs = dict(num_heads=4, key_dim=8, num_groups=2, static_compose=True)
+    *_, terms, f32 = _core_case(reference_case, kwargs, 4, 7)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(2, 2, 2, 7)), jnp.float32)
+    weights = {"x": x, **{n: jnp.asarray(w) for n, w in terms["pre"].items()}}
+
+    def loss(compose):
+        return lambda w: jnp.sum(jnp.sin(compose(w["x"], {n: a for n, a in w.items()
+                                                          if n != "x"}, 2)))
+    got = jax.grad(loss(kernel.decode_compose))(weights)
+    want = jax.grad(loss(dops.decode_compose))(weights)
+    assert sorted(got) == sorted(want)
+    for n in want:
+        assert_close(got[n], want[n])
+    assert_close(kernel.decode_compose(x, dict(terms["pre"]), 2),
+                 dops.decode_compose(x, dict(terms["pre"]), 2))
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch_decode's gradient rule")
+def test_torch_decode_records_gradients_without_the_kernel(reference_case, monkeypatch):
+    """A step whose inputs require gradients runs PyTorch's ops (the kernel records none):
+    the gradient reaches the query and the terms, and the output is the kernel's."""
+    import torch
+    implementation, ran = _kernel_spy(monkeypatch)
+    t, S = 4, 7
+    cfg, p, q, k, v, qdyn, kdyn, terms, f32 = _core_case(reference_case, CONFIGS["dcmha"], t, S)
+    args = [torch.tensor(f32(a), requires_grad=True) for a in (q, k, v)]
+    pre = {n: torch.tensor(w, requires_grad=True) for n, w in terms["pre"].items()}
+    kw = dict(num_groups=cfg.G, post=terms["post"], use_causal_mask=True, query_offset=t,
+              implementation=implementation)
+    o = dops.dcmha_attention(*args, pre=pre, **kw)
+    assert ran == []                     # both composes' inputs depend on q (and pre)
+    o.sum().backward()
+    assert args[0].grad is not None and float(args[0].grad.abs().sum()) > 0
+    assert all(w.grad is not None for w in pre.values())
+    with torch.no_grad():
+        o_kernel = dops.dcmha_attention(*args, pre=pre, **kw)
+    assert len(ran) == 2
+    assert_close(o.detach(), np_(o_kernel))

@@ -28,7 +28,7 @@ from dcmha import ops as dops
 from dcmha.layers import DCMHA
 
 #: The implementation names the layer and dcmha.ops accept, as their error lists them.
-IMPLEMENTATION_NAMES = "['auto', 'jax_cpu', 'ops', 'pallas', 'tf_cpu', 'tf_decode', 'torch', 'torch_decode', 'triton', 'xla']"
+IMPLEMENTATION_NAMES = "['auto', 'jax_cpu', 'jax_decode', 'ops', 'pallas', 'tf_cpu', 'tf_decode', 'torch', 'torch_decode', 'triton', 'xla']"
 
 BACKEND = keras.backend.backend()
 

@@ -374,3 +374,107 @@ INLINE void backward_rows(const Args *a, int64_t b, int64_t gi, int64_t jv, cons
 #define BWD(MM, RR) backward_rows(a, b, gi, jv, MM, RR)
 ENTRY(dcmha_compose_forward, FWD, forward_generic)
 ENTRY(dcmha_compose_backward, BWD, backward_generic)
+
+
+void dcmha_fill_args(Args *a, const int64_t *d, int64_t R, const float *x, const float *wq,
+                     const float *kw1, const float *kw2, const float *kdd, int64_t flags) {
+    memset(a, 0, sizeof *a);
+    a->B = d[0]; a->G = d[1]; a->M = d[2]; a->t = d[3]; a->s = d[4];
+    const int64_t ts = a->t * a->s, M = a->M;
+    a->x = x; a->x_b = a->G * M * ts; a->x_i = a->s; a->x_n = ts;
+    a->o_b = a->x_b; a->o_i = a->x_i; a->o_n = a->x_n;
+    a->g_b = a->x_b; a->g_i = a->x_i; a->g_n = a->x_n;
+    if (flags & DCMHA_HAS_WQ) {
+        a->wq = wq;
+        a->wq_b = a->t * a->G * M * M; a->wq_i = a->G * M * M; a->wq_g = M * M;
+        a->wq_n = M; a->wq_m = 1;
+        a->dwq_b = a->wq_b; a->dwq_i = a->wq_i; a->dwq_g = a->wq_g; a->dwq_n = M; a->dwq_m = 1;
+    }
+    a->R = (flags & DCMHA_HAS_KW) ? R : 1;
+    if (flags & DCMHA_HAS_KW) {
+        a->kw1 = kw1; a->kw2 = kw2;
+        a->kw_m = a->s; a->kw_r = M * a->s; a->kw_g = a->R * M * a->s; a->kw_b = a->G * a->kw_g;
+        a->dkw_b = a->kw_b; a->dkw_g = a->kw_g; a->dkw_r = a->kw_r; a->dkw_m = a->kw_m;
+    }
+    if (flags & DCMHA_HAS_KDD) {
+        a->kdd = kdd;
+        a->kd_m = a->s; a->kd_g = M * a->s; a->kd_b = a->G * a->kd_g;
+        a->dkd_b = a->kd_b; a->dkd_g = a->kd_g; a->dkd_m = a->kd_m;
+    }
+}
+
+/* dst (B, G, rest, S) from src (B, S, G, rest). */
+static void keys_last(const float *src, int64_t B, int64_t S, int64_t G, int64_t rest,
+                      float *dst) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t s = 0; s < S; s++) {
+            const float *row = src + (b * S + s) * G * rest;
+            float *o = dst + b * G * rest * S + s;
+            for (int64_t i = 0; i < G * rest; i++) o[i * S] = row[i];
+        }
+}
+
+int64_t dcmha_cached_scratch(int64_t B, int64_t G, int64_t M, int64_t S, int64_t R,
+                             int has_kw, int has_kdd) {
+    return (has_kw ? 2 * B * G * R * M * S : 0) + (has_kdd ? B * G * M * S : 0);
+}
+
+void dcmha_cached_args(Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int64_t S,
+                       int64_t R, const float *x, float *out, const float *wq, int64_t wq_b,
+                       int64_t wq_t, const float *kw1, const float *kw2, const float *kdd,
+                       float *scratch) {
+    const int64_t n_kw = kw1 ? B * G * R * M * S : 0;
+    float *k1 = scratch, *k2 = scratch + n_kw, *kd = scratch + 2 * n_kw;
+    if (kw1) {
+        keys_last(kw1, B, S, G, R * M, k1);
+        keys_last(kw2, B, S, G, R * M, k2);
+    }
+    if (kdd) keys_last(kdd, B, S, G, M, kd);
+    const int64_t d[5] = {B, G, M, T, S};
+    const int64_t flags = (wq ? DCMHA_HAS_WQ : 0) | (kw1 ? DCMHA_HAS_KW : 0)
+                          | (kdd ? DCMHA_HAS_KDD : 0);
+    dcmha_fill_args(a, d, R, x, wq, k1, k2, kd, flags);
+    a->out = out;
+    if (wq) {                       /* (wq_b, G, wq_t, M, M): a size-1 axis is broadcast */
+        a->wq_b = wq_b == 1 ? 0 : G * wq_t * M * M;
+        a->wq_g = wq_t * M * M;
+        a->wq_i = wq_t == 1 ? 0 : M * M;
+    }
+}
+
+/* wq (B, T, G, M, M): wq[n, m] = [n == m] (1 + qdd[n]) + sum_r qw1[r, m] qw2[r, n]
+   + static[g, m, n] (the spec's query factor; an absent term adds nothing). */
+static void query_matrix(int64_t B, int64_t T, int64_t G, int64_t M, int64_t R,
+                         const float *qw1, const float *qw2, const float *qdd,
+                         const float *st, float *wq) {
+    for (int64_t i = 0; i < B * T * G; i++) {
+        const int64_t g = i % G;
+        float *w = wq + i * M * M;
+        for (int64_t n = 0; n < M; n++)
+            for (int64_t m = 0; m < M; m++) {
+                float v = n == m ? 1.0f + (qdd ? qdd[i * M + n] : 0.0f) : 0.0f;
+                if (qw1)
+                    for (int64_t r = 0; r < R; r++)
+                        v += qw1[(i * R + r) * M + m] * qw2[(i * R + r) * M + n];
+                if (st) v += st[(g * M + m) * M + n];
+                w[n * M + m] = v;
+            }
+    }
+}
+
+int dcmha_compose_cached(int64_t B, int64_t G, int64_t M, int64_t T, int64_t S, int64_t Rq,
+                         int64_t Rk, const float *x, float *out, const float *qw1,
+                         const float *qw2, const float *qdd, const float *st,
+                         const float *kw1, const float *kw2, const float *kdd) {
+    const int64_t n_wq = (qw1 || qdd || st) ? B * T * G * M * M : 0;
+    const int64_t n = n_wq + dcmha_cached_scratch(B, G, M, S, Rk, kw1 != 0, kdd != 0);
+    float *scratch = n ? (float *)malloc(sizeof(float) * (size_t)n) : 0;
+    if (n && !scratch) return 1;
+    float *wq = n_wq ? scratch : 0;
+    if (wq) query_matrix(B, T, G, M, Rq, qw1, qw2, qdd, st, wq);
+    Args a;
+    dcmha_cached_args(&a, B, G, M, T, S, Rk, x, out, wq, B, T, kw1, kw2, kdd, scratch + n_wq);
+    const int failed = dcmha_compose_forward(&a);
+    free(scratch);
+    return failed;
+}

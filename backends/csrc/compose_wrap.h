@@ -15,32 +15,9 @@
 
 #include "dcmha_args.h"
 
-enum : int64_t { DCMHA_HAS_WQ = 1, DCMHA_HAS_KW = 2, DCMHA_HAS_KDD = 4 };
-
 static void dcmha_fill(Args &a, const int64_t *d, int64_t R, const float *x, const float *wq,
                        const float *kw1, const float *kw2, const float *kdd, int64_t flags) {
-    std::memset(&a, 0, sizeof a);
-    a.B = d[0]; a.G = d[1]; a.M = d[2]; a.t = d[3]; a.s = d[4];     /* x: (B, G, M, t, s) */
-    const int64_t ts = a.t * a.s, M = a.M;
-    a.x = x; a.x_b = a.G * M * ts; a.x_i = a.s; a.x_n = ts;
-    a.o_b = a.x_b; a.o_i = a.x_i; a.o_n = a.x_n;
-    a.g_b = a.x_b; a.g_i = a.x_i; a.g_n = a.x_n;
-    if (flags & DCMHA_HAS_WQ) {
-        a.wq = wq;
-        a.wq_b = a.t * a.G * M * M; a.wq_i = a.G * M * M; a.wq_g = M * M; a.wq_n = M; a.wq_m = 1;
-        a.dwq_b = a.wq_b; a.dwq_i = a.wq_i; a.dwq_g = a.wq_g; a.dwq_n = M; a.dwq_m = 1;
-    }
-    a.R = (flags & DCMHA_HAS_KW) ? R : 1;
-    if (flags & DCMHA_HAS_KW) {
-        a.kw1 = kw1; a.kw2 = kw2;
-        a.kw_m = a.s; a.kw_r = M * a.s; a.kw_g = a.R * M * a.s; a.kw_b = a.G * a.kw_g;
-        a.dkw_b = a.kw_b; a.dkw_g = a.kw_g; a.dkw_r = a.kw_r; a.dkw_m = a.kw_m;
-    }
-    if (flags & DCMHA_HAS_KDD) {
-        a.kdd = kdd;
-        a.kd_m = a.s; a.kd_g = M * a.s; a.kd_b = a.G * a.kd_g;
-        a.dkd_b = a.kd_b; a.dkd_g = a.kd_g; a.dkd_m = a.kd_m;
-    }
+    dcmha_fill_args(&a, d, R, x, wq, kw1, kw2, kdd, flags);
 }
 
 /* Gradient buffers: zeroed (the kernel accumulates), then attached where present. */

@@ -43,11 +43,49 @@ typedef struct DcmhaArgs {
     float *dkdd; int64_t dkd_b, dkd_g, dkd_m;
 } Args;
 
+/* Which terms a wrapper passes (the others are 1-element dummies, or NULL). */
+enum { DCMHA_HAS_WQ = 1, DCMHA_HAS_KW = 2, DCMHA_HAS_KDD = 4,
+       /* dcmha_compose_cached's query side, as the spec's terms */
+       DCMHA_HAS_QW = 8, DCMHA_HAS_QDD = 16, DCMHA_HAS_STATIC = 32 };
+
 /* The kernel's entry points: 0 on success, 1 when its chunk buffer cannot be allocated.
    Forward: out = Compose(x). Backward: out = dCompose/dx^T g (out may alias g), and the
    term gradients accumulated (+=) into dwq, dkw1, dkw2, dkdd. */
 DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_compose_forward(const Args *a);
 DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_compose_backward(const Args *a);
+
+/* Args for contiguous arrays: x (and out, g) (B, G, M, t, s) from d = {B, G, M, t, s}; wq
+   (B, t, G, M, M); kw1, kw2 (B, G, R, M, s); kdd (B, G, M, s); a term whose DCMHA_HAS_* bit
+   is not in flags is left absent (NULL). Every other field is zero. */
+DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_fill_args(Args *a, const int64_t *d, int64_t R,
+                                                  const float *x, const float *wq,
+                                                  const float *kw1, const float *kw2,
+                                                  const float *kdd, int64_t flags);
+
+/* The compose with the key-side terms in the layout of the layer's dynamic weights and of the
+   decode cache: x, out (B, G, M, T, S) (head n = g M + m); wq (wq_b, G, wq_t, M, M) with
+   wq_b in {1, B} and wq_t in {1, T} (a size-1 axis is broadcast), out[n] = sum_m wq[n, m]
+   x[m] (residual and static terms included); kw1, kw2 (B, S, G, R, M); kdd (B, S, G, M). A
+   NULL term is absent (no wq: the residual x is the base term).
+
+   dcmha_cached_args fills a for that call and copies the key-side terms keys-last into
+   scratch, which holds dcmha_cached_scratch(...) floats.
+
+   dcmha_compose_cached does the whole forward from the spec's terms (its scratch
+   allocated; 0 on success, 1 when out of memory): the query side as qw1, qw2 (B, T, G, Rq,
+   M), qdd (B, T, G, M) and static (G, M, M) (wq[n, m] = [n == m] (1 + qdd[n]) +
+   sum_r qw1[r, m] qw2[r, n] + static[g, m, n]), the key side as above with rank Rk. */
+DCMHA_C_LINKAGE DCMHA_EXPORT int64_t dcmha_cached_scratch(int64_t B, int64_t G, int64_t M,
+                                                          int64_t S, int64_t R, int has_kw,
+                                                          int has_kdd);
+DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_cached_args(
+    Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int64_t S, int64_t R,
+    const float *x, float *out, const float *wq, int64_t wq_b, int64_t wq_t,
+    const float *kw1, const float *kw2, const float *kdd, float *scratch);
+DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_compose_cached(
+    int64_t B, int64_t G, int64_t M, int64_t T, int64_t S, int64_t Rq, int64_t Rk,
+    const float *x, float *out, const float *qw1, const float *qw2, const float *qdd,
+    const float *st, const float *kw1, const float *kw2, const float *kdd);
 
 /* Every field of Args, in declaration order (the loader checks each by name). */
 #define DCMHA_ARGS_FIELDS(F)                                                            \

@@ -175,16 +175,6 @@ OrtStatus *mismatch(const char *what, const char *expected, const Tensor &t) {
     return status(kInvalidArgument, msg);
 }
 
-/* dst (B, G, rest, S) from src (B, S, G, rest): the key-side terms keys-last. */
-void keys_last(const float *src, int64_t B, int64_t S, int64_t G, int64_t rest, float *dst) {
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t s = 0; s < S; s++) {
-            const float *row = src + (b * S + s) * G * rest;
-            float *out = dst + b * G * rest * S + s;
-            for (int64_t i = 0; i < G * rest; i++) out[i * S] = row[i];
-        }
-}
-
 OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     const Op &op = *static_cast<const Op *>(kernel);
     Tensor x, wq, kw1, kw2, kdd;
@@ -240,27 +230,13 @@ OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
 
     /* the key-side terms keys-last, in one scratch buffer per thread */
     thread_local std::vector<float> scratch;
-    const int64_t n_kw = (op.flags & DCMHA_HAS_KW) ? B * G * R * M * S : 0;
-    const int64_t n_kd = (op.flags & DCMHA_HAS_KDD) ? B * G * M * S : 0;
-    if (scratch.size() < (size_t)(2 * n_kw + n_kd)) scratch.resize((size_t)(2 * n_kw + n_kd));
-    float *k1 = scratch.data(), *k2 = k1 + n_kw, *kd = k2 + n_kw;
-    if (n_kw) {
-        keys_last(kw1.data, B, S, G, R * M, k1);
-        keys_last(kw2.data, B, S, G, R * M, k2);
-    }
-    if (n_kd) keys_last(kdd.data, B, S, G, M, kd);
-
+    const int64_t n = dcmha_cached_scratch(B, G, M, S, R, (op.flags & DCMHA_HAS_KW) != 0,
+                                           (op.flags & DCMHA_HAS_KDD) != 0);
+    if (scratch.size() < (size_t)n) scratch.resize((size_t)n);
     Args a;
-    const int64_t dims[5] = {B, G, M, T, S};
-    dcmha_fill(a, dims, R, x.data, wq.data, k1, k2, kd, op.flags);
-    if (op.flags & DCMHA_HAS_WQ) {   /* (B|1, G, T|1, M, M): size-1 axes broadcast */
-        a.wq_b = wq.dims[0] == 1 ? 0 : G * wq.dims[2] * M * M;
-        a.wq_g = wq.dims[2] * M * M;
-        a.wq_i = wq.dims[2] == 1 ? 0 : M * M;
-        a.wq_n = M;
-        a.wq_m = 1;
-    }
-    a.out = static_cast<float *>(out_data);
+    dcmha_cached_args(&a, B, G, M, T, S, R, x.data, static_cast<float *>(out_data),
+                      wq.data, wq.dims[0], wq.dims[2], kw1.data, kw2.data, kdd.data,
+                      scratch.data());     /* an absent term's data is NULL */
     /* query rows in parts over the intra-op threads: each part is the same call on rows
        [t0, t1) (the key-side terms are shared) */
     struct Parts {

@@ -2,7 +2,10 @@
    dcmha.backends.jax_cpu as "dcmha_compose_forward" / "dcmha_compose_backward").
 
    DcmhaComposeForward(x, wq, kw1, kw2, kdd; flags) -> out and DcmhaComposeBackward(x, g, wq,
-   kw1, kw2, kdd; flags) -> (dx, dwq, dkw1, dkw2, dkdd), arrays as in compose_wrap.h.
+   kw1, kw2, kdd; flags) -> (dx, dwq, dkw1, dkw2, dkdd), arrays as in compose_wrap.h; and
+   DcmhaComposeCached(x, qw1, qw2, qdd, static, kw1, kw2, kdd; flags) -> out, the forward from
+   the spec's terms with the key side in the decode cache's layout (registered by dcmha.backends.jax_cpu as
+   "dcmha_compose_cached", for one-query steps).
 
    Compiles on its own against jaxlib's FFI headers:
    c++ -std=c++17 -I"$(python -c 'import jax; print(jax.ffi.include_dir())')" -c xla_ffi.cc */
@@ -38,6 +41,31 @@ static ffi::Error Backward(F32 x, F32 g, F32 wq, F32 kw1, F32 kw2, F32 kdd, Out 
     if (dcmha_compose_backward(&a)) return ffi::Error::Internal("dcmha compose: out of memory");
     return ffi::Error::Success();
 }
+
+/* x (B, G, M, T, S); qw1, qw2 (B, T, G, R, M); qdd (B, T, G, M); static (G, M, M); kw1, kw2
+   (B, S, G, R, M); kdd (B, S, G, M): the spec's terms, the key side in the layout of the
+   decode cache (dcmha_compose_cached). flags: DCMHA_HAS_QW / QDD / STATIC / KW / KDD. */
+static ffi::Error Cached(F32 x, F32 qw1, F32 qw2, F32 qdd, F32 st, F32 kw1, F32 kw2, F32 kdd,
+                         Out out, int64_t flags) {
+    const auto d = x.dimensions();
+    const bool qw = flags & DCMHA_HAS_QW, kw = flags & DCMHA_HAS_KW;
+    if (dcmha_compose_cached(d[0], d[1], d[2], d[3], d[4], qw ? qw1.dimensions()[3] : 1,
+                             kw ? kw1.dimensions()[3] : 1, x.typed_data(), out->typed_data(),
+                             qw ? qw1.typed_data() : nullptr, qw ? qw2.typed_data() : nullptr,
+                             (flags & DCMHA_HAS_QDD) ? qdd.typed_data() : nullptr,
+                             (flags & DCMHA_HAS_STATIC) ? st.typed_data() : nullptr,
+                             kw ? kw1.typed_data() : nullptr, kw ? kw2.typed_data() : nullptr,
+                             (flags & DCMHA_HAS_KDD) ? kdd.typed_data() : nullptr))
+        return ffi::Error::Internal("dcmha compose: out of memory");
+    return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DcmhaComposeCached, Cached,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("flags"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DcmhaComposeForward, Forward,
                               ffi::Ffi::Bind()

@@ -6,9 +6,21 @@ on first use of one of its names. See ``dcmha_jax_cpu`` for the API and
 """
 
 from dcmha.backends import cpu_kernel_package
+from dcmha.registry import Implementation
 
-__all__ = ["IMPLEMENTATION", "dcmha_attention", "dcmha_attention_reference", "is_available"]
+__all__ = ["IMPLEMENTATION", "DECODE_IMPLEMENTATION", "dcmha_attention",
+           "dcmha_attention_reference", "is_available"]
 
 IMPLEMENTATION, is_available, __getattr__ = cpu_kernel_package(
     __name__, "jax_cpu", "jax", "dcmha_jax_cpu", priority=10,
     description="XLA blocks whose composes run in the compiled C kernel (jax.ffi)")
+
+#: One decoding step (T = 1): the plain core's one-query path with both composes run by the
+#: compiled kernel (``decode``): "auto" takes it for one-query calls on CPU; other calls go
+#: to "ops".
+DECODE_IMPLEMENTATION = Implementation(
+    name="jax_decode", backend="jax", module="dcmha.backends.jax_cpu.decode",
+    devices=frozenset({"cpu"}), auto_devices=frozenset({"cpu"}),
+    lacks=frozenset({"intermediates", "dropout", "symbolic_shapes"}), priority=15,
+    description="one decoding step (T = 1): the plain one-query path with its composes in "
+                "the compiled C kernel (jax.ffi); other calls run the plain core")

@@ -21,6 +21,8 @@ import math
 
 from dcmha.spec import terms as spec_terms
 
+from .. import cpu_kernel
+
 
 def preferred(call):
     """``"auto"`` takes this path for one-query calls (decoding steps)."""
@@ -56,6 +58,20 @@ def attention(call):
     return _one_query(call), {}
 
 
+def _kernel(x, terms):
+    """The compiled compose kernel (``cpu_kernel``) for one compose of a step on the CPU
+    with the terms it computes and no gradient to record, else None (PyTorch ops run)."""
+    import torch
+
+    from dcmha import ops as dops
+    if x.device.type != "cpu" or not terms.keys() <= dops.LOW_RANK_TERMS:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad
+                                                           for w in terms.values())):
+        return None
+    return cpu_kernel.load()
+
+
 def _one_query(call):
     """o (B, 1, N, d_v) float32 of a one-query call (see the module doc)."""
     import torch
@@ -75,6 +91,11 @@ def _one_query(call):
     def compose(a, terms):
         terms = {n: torch.as_tensor(w, device=q.device).to(torch.float32)
                  for n, w in terms.items()}
+        lib = _kernel(a, terms)
+        if lib is not None:
+            return cpu_kernel.compose_cached(
+                lib, a.contiguous(), torch.empty_like(a, memory_format=torch.contiguous_format),
+                {n: w.contiguous() for n, w in terms.items()})
         return dops.decode_compose(a, terms, M, einsum=torch.einsum, matmul=torch.matmul,
                                    eye=eye, reduce_sum=torch.sum, transpose=torch.permute)
 

@@ -1,0 +1,42 @@
+"""One decoding step for JAX on CPU: the "jax_decode" implementation.
+
+A cached decoding step is one query against S cached keys (T = 1). Compiled by XLA,
+the plain core's one-query path (``dcmha.ops``) spends most of its DCMHA-only time in
+the two composes: a few dozen tiny fusions and dots per step, plus layout copies of
+the cached key-side weights, which its einsums read transposed. This implementation
+runs that same path with each compose as one call of the compiled C kernel
+(``dcmha_jax_cpu.decode_compose``, an XLA FFI custom call that reads the key-side
+weights in the cache's (B, S, G, R, M) layout); the scores, the masked softmax and P.V
+stay XLA's. Same arithmetic, same masking rules: masked probabilities are exactly 0,
+and a query that sees no key outputs 0. Its gradient is the plain form's.
+
+``"auto"`` takes it for one-query calls on CPU when the kernel builds (C and C++
+compilers; ``DCMHA_CPU_KERNEL=0`` switches it off). Any other call that names it goes
+to the plain core, ``dcmha.ops.attention``, so a forced ``implementation="jax_decode"``
+runs every call.
+"""
+
+from __future__ import annotations
+
+
+def preferred(call) -> bool:
+    """``"auto"`` takes this path for one-query calls (decoding steps)."""
+    return call.T == 1
+
+
+def unsupported(call):
+    """None, or why this path cannot run ``call`` (the kernel does not build)."""
+    from . import dcmha_jax_cpu
+    if not dcmha_jax_cpu.load():
+        return f"the compiled CPU kernel is unavailable: {dcmha_jax_cpu.unavailable_reason()}"
+    return None
+
+
+def attention(call):
+    """(o (B, 1, N, d_v) float32, {}) for a one-query call; any other call through the
+    plain core (``dcmha.ops.attention``)."""
+    from dcmha import ops as dops
+    if not call.one_query:
+        return dops.attention(call)
+    from . import dcmha_jax_cpu
+    return dops.attention(call, one_query_compose=dcmha_jax_cpu.decode_compose)
