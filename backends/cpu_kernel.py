@@ -101,7 +101,7 @@ import warnings
 from typing import Optional
 
 __all__ = ["load", "unavailable_reason", "compose_forward", "compose_backward",
-           "compose_cached", "cached_flags", "CACHED_TERMS", "disabled",
+           "decode_probs", "cached_flags", "CACHED_TERMS", "disabled",
            "KernelWarning", "Recipe", "Plan", "compose_recipe", "ffi_recipe", "tf_recipe",
            "ort_recipe", "plan", "build_library", "check_library", "fallback", "cache_dir",
            "CSRC"]
@@ -116,7 +116,8 @@ _TIMEOUT_S = 300
 _CC = ("CC", "C", ("cc", "gcc", "clang"))
 _CXX = ("CXX", "C++", ("c++", "g++", "clang++"))
 _KERNEL_SYMBOLS = ("dcmha_compose_forward", "dcmha_compose_backward", "dcmha_fill_args",
-                   "dcmha_cached_scratch", "dcmha_cached_args", "dcmha_compose_cached")
+                   "dcmha_cached_scratch", "dcmha_cached_args", "dcmha_compose_cached",
+                   "dcmha_decode_probs")
 #: The (layout, names) functions of DCMHA_DEFINE_ARGS_LAYOUT: the C kernel's, a C++ wrapper's.
 _C_LAYOUT = ("dcmha_args_layout", "dcmha_args_names")
 _CXX_LAYOUT = ("dcmha_cxx_args_layout", "dcmha_cxx_args_names")
@@ -169,7 +170,7 @@ class Plan:
 def _kernel_step(shared: bool) -> _Step:
     """The C kernel, as a shared library or (for the C++ wrappers) an object file."""
     flags = (*_OPT, "-fopenmp-simd", "-std=c11", "-fPIC", "-shared" if shared else "-c")
-    return _Step(_CC, flags, "compose.c", ("dcmha_args.h",))
+    return _Step(_CC, flags, "compose.c", ("dcmha_args.h",), ("-lm",) if shared else ())
 
 
 def compose_recipe() -> Recipe:
@@ -191,7 +192,8 @@ def ffi_recipe(include_dir: str, jaxlib_version: str) -> Recipe:
     against jaxlib's FFI headers in ``include_dir``."""
     return _wrapper_recipe("compose_xla_ffi", "xla_ffi.cc", [f"-I{include_dir}"], (),
                            (f"jaxlib {jaxlib_version}", include_dir),
-                           ("DcmhaComposeForward", "DcmhaComposeBackward", "DcmhaComposeCached"))
+                           ("DcmhaComposeForward", "DcmhaComposeBackward", "DcmhaComposeCached",
+                            "DcmhaDecodeProbs"))
 
 
 def tf_recipe(compile_flags, link_flags, tf_version: str) -> Recipe:
@@ -629,8 +631,11 @@ def load():
                 for fn in (lib.dcmha_compose_forward, lib.dcmha_compose_backward):
                     fn.argtypes = [ctypes.POINTER(_Args)]
                     fn.restype = ctypes.c_int
-                lib.dcmha_compose_cached.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_void_p] * 9
-                lib.dcmha_compose_cached.restype = ctypes.c_int
+                i64, ptr = ctypes.c_int64, ctypes.c_void_p
+                stage = [i64, i64] + [ptr] * 7
+                lib.dcmha_decode_probs.argtypes = ([i64] * 4 + [ptr] * 3 + [i64] * 3
+                                                   + [ctypes.c_float] + stage + stage)
+                lib.dcmha_decode_probs.restype = ctypes.c_int
             _STATE["lib"], _STATE["reason"] = lib, reason
         return _STATE["lib"]
 
@@ -709,19 +714,28 @@ def cached_flags(names) -> int:
     return flags
 
 
-def compose_cached(lib, x, out, terms):
-    """out = Compose(x) for one query row: x, out (B, G, M, S) float32 contiguous; terms
-    (names of ``CACHED_TERMS``, float32 contiguous, absent ones left out): qw1, qw2 (B, 1,
-    G, R, M), qdd (B, 1, G, M), static (G, M, M), and the key side in the decode cache's
-    layout, kw1, kw2 (B, S, G, R, M), kdd (B, S, G, M). ``dcmha_compose_cached`` of
-    ``csrc/dcmha_args.h`` (the arithmetic of ``dcmha.ops.decode_compose``)."""
+def _stage_args(terms):
+    """(Rq, Rk, the 7 term pointers) of one stage for the C entry points (None: absent)."""
+    terms = terms or {}
+    return [terms["qw1"].shape[3] if "qw1" in terms else 1,
+            terms["kw1"].shape[3] if "kw1" in terms else 1] + [
+        terms[n].data_ptr() if n in terms else None for n in CACHED_TERMS]
+
+
+def decode_probs(lib, x, p, mask, pre, post, masked):
+    """One query's probabilities into p: Compose_post(softmax(where(mask, Compose_pre(x),
+    masked))), ``dcmha_decode_probs`` of ``csrc/dcmha_args.h`` (the arithmetic of
+    ``dcmha.ops.one_query_probs``). x, p (B, G, M, S) float32 contiguous, p not x; mask a
+    contiguous one-byte (bool) array (B|1, 1|N, S|1), True = attend, or None; pre, post
+    each a dict of the spec's terms (names of ``CACHED_TERMS``, float32 contiguous): qw1,
+    qw2 (B, 1, G, R, M), qdd (B, 1, G, M), static (G, M, M), and the key side in the decode
+    cache's layout, kw1, kw2 (B, S, G, R, M), kdd (B, S, G, M); or None."""
     B, G, M, S = x.shape
-    ptrs = [terms[n].data_ptr() if n in terms else None for n in CACHED_TERMS]
-    rq = terms["qw1"].shape[3] if "qw1" in terms else 1
-    rk = terms["kw1"].shape[3] if "kw1" in terms else 1
-    if lib.dcmha_compose_cached(B, G, M, 1, S, rq, rk, x.data_ptr(), out.data_ptr(), *ptrs):
+    m = [None, 1, 1, 1] if mask is None else [mask.data_ptr(), *mask.shape]
+    if lib.dcmha_decode_probs(B, G, M, S, x.data_ptr(), p.data_ptr(), *m, masked,
+                              *_stage_args(pre), *_stage_args(post)):
         raise MemoryError("dcmha C kernel: out of memory for its scratch buffer")
-    return out
+    return p
 
 
 def compose_backward(lib, x, g, dx, st, dst, G, R):

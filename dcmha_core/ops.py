@@ -568,8 +568,29 @@ def _decode_compose_products(x, terms, reduce_sum, transpose):
     return out
 
 
+def one_query_probs(x, mask, pre, post, M, *, compose=None):
+    """One query's probabilities p (B, G, M, S) float32 from its scores x (B, G, M, S):
+    the pre compose, the mask (``_attention_one_query``'s: (B|1, 1, S|1) or per head
+    (B|1, N, 1, S|1), True = attend), the softmax and the post compose. ``compose``:
+    ``decode_compose`` (default) or a function with its signature."""
+    compose = compose or decode_compose
+    if pre:
+        x = compose(x, pre, M)
+    if mask is not None:
+        # (B|1, 1, S|1) -> (B|1, 1, 1, S|1); per head (B|1, N, 1, S|1) -> (B|1, G, M, S|1)
+        m = mask if len(mask.shape) == 4 else mask[:, None]
+        if m.shape[1] != 1:
+            m = ops.reshape(m, (ops.shape(m)[0], x.shape[1], M, ops.shape(m)[-1]))
+        x = ops.where(m, x, _MASKED)
+    # (_shape: a traced size is unknown, so an exporter's trace at S=1 keeps the softmax.)
+    p = ops.ones_like(x) if _shape(x)[-1] == 1 else ops.softmax(x, axis=-1)
+    if post:
+        p = compose(p, post, M)
+    return p
+
+
 def _attention_one_query(q, k, v, mask, pre, post, *, num_groups, rows_may_be_empty,
-                         compose=None):
+                         probs=None):
     """The core for one query (T = 1: a decoding step), without (B, N, T, S) extras.
 
     q: (B, 1, N, d) pre-scaled, k: (B, S, N_kv, d), v: (B, S, N_kv, d_v) float32;
@@ -577,28 +598,16 @@ def _attention_one_query(q, k, v, mask, pre, post, *, num_groups, rows_may_be_em
     Returns o (B, 1, N, d_v). The same math as ``_attend_block`` with a few,
     layout-free ops: the scores, composes and P.V are einsums on the (B, G, M, S)
     view (no explicit transposed copies of the cache; no (S, G, M, M) key factor).
-    ``compose``: the function that composes (``decode_compose``'s signature, default
-    ``decode_compose``; a backend passes its kernel).
+    ``probs``: the function from scores to probabilities (``one_query_probs``'s
+    signature and default; a backend passes its kernel).
     """
-    compose = compose or decode_compose
     B, _, N, d = ops.shape(q)
     S, N_kv, d_v = ops.shape(k)[1], k.shape[2], v.shape[-1]
     G, rep = num_groups, N // N_kv
     M = N // G
     qh = ops.reshape(q, (B, N_kv, rep, d))
     x = ops.reshape(ops.einsum("bhrd,bshd->bhrs", qh, k), (B, G, M, S))
-    if pre:
-        x = compose(x, pre, M)
-    if mask is not None:
-        # (B|1, 1, S|1) -> (B|1, 1, 1, S|1); per head (B|1, N, 1, S|1) -> (B|1, G, M, S|1)
-        m = mask if len(mask.shape) == 4 else mask[:, None]
-        if m.shape[1] != 1:
-            m = ops.reshape(m, (ops.shape(m)[0], G, M, ops.shape(m)[-1]))
-        x = ops.where(m, x, _MASKED)
-    # (_shape: a traced size is unknown, so an exporter's trace at S=1 keeps the softmax.)
-    p = ops.ones_like(x) if _shape(x)[-1] == 1 else ops.softmax(x, axis=-1)
-    if post:
-        p = compose(p, post, M)
+    p = (probs or one_query_probs)(x, mask, pre, post, M)
     o = ops.einsum("bhrs,bshv->bhrv", ops.reshape(p, (B, N_kv, rep, S)), v)
     o = ops.reshape(o, (B, 1, N, d_v))
     if mask is not None and rows_may_be_empty:
@@ -739,7 +748,7 @@ def _attention_looped(q, k, v, mask, pre, post, *, num_groups, chunk, use_causal
 def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal_mask,
                    sliding_window, query_offset, query_chunk_size, dropout_rate, seed,
                    training, return_attention_scores, return_intermediates, auto_chunk,
-                   one_query_compose=None):
+                   decode_probs=None):
     """The plain ``keras.ops`` attention core (see ``dcmha_attention``).
 
     Chunked queries read only the key blocks a causal mask or window leaves
@@ -774,7 +783,7 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
                               sliding_window=sliding_window, query_offset=query_offset)
         return _attention_one_query(q, k, v, one_mask, pre, post, num_groups=G,
                                     rows_may_be_empty=rows_may_be_empty,
-                                    compose=one_query_compose), {}
+                                    probs=decode_probs), {}
     if (len(q_bounds) > MAX_UNROLLED_CHUNKS and not wanted
             and not (training and dropout_rate > 0.0)
             and keras.backend.backend() in _LOOPED_BACKENDS):
@@ -841,11 +850,11 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
     return o, result
 
 
-def attention(call, *, one_query_compose=None):
+def attention(call, *, decode_probs=None):
     """The "ops" implementation: the plain core on a validated ``AttentionCall``.
-    ``one_query_compose`` replaces ``decode_compose`` in the one-query path (a backend's
-    compiled compose, e.g. "jax_decode")."""
-    return _attention_ops(**call.arguments(), one_query_compose=one_query_compose)
+    ``decode_probs`` replaces ``one_query_probs`` in the one-query path (a backend's
+    compiled composes and softmax: "jax_decode")."""
+    return _attention_ops(**call.arguments(), decode_probs=decode_probs)
 
 
 #: The plain core's registration (entry point ``ops`` of ``dcmha.implementations``).

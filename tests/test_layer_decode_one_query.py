@@ -209,9 +209,9 @@ def _kernel_spy(monkeypatch):
     ran = []
     if BACKEND == "jax":
         from dcmha.backends.jax_cpu import dcmha_jax_cpu as module
-        name, implementation = "_cached_ffi", "jax_decode"
+        name, implementation = "_probs_ffi", "jax_decode"
     elif BACKEND == "torch":
-        module, name, implementation = cpu_kernel, "compose_cached", "torch_decode"
+        module, name, implementation = cpu_kernel, "decode_probs", "torch_decode"
     else:
         pytest.skip("no compiled one-query compose on this backend")
     if not cpu_kernel.load() or (BACKEND == "jax" and not module.load()):
@@ -224,8 +224,8 @@ def _kernel_spy(monkeypatch):
 @pytest.mark.parametrize("name", ["dcmha", "gqa_groups_static_window", "key_wise_only_rank1",
                                   "query_wise_only_gating", "mqa_pre_only", "static_only"])
 def test_decode_composes_in_the_kernel(reference_case, monkeypatch, name):
-    """"jax_decode" / "torch_decode" run each compose of the step as one call of the
-    compiled kernel (jax: eager and jitted), at the spec's numbers."""
+    """"jax_decode" / "torch_decode" run the step's composes and masked softmax as one call
+    of the compiled kernel (jax: eager and jitted), at the spec's numbers."""
     implementation, ran = _kernel_spy(monkeypatch)
     t, S = 4, 7
     cfg, p, q, k, v, qdyn, kdyn, terms, f32 = _core_case(reference_case, CONFIGS[name], t, S)
@@ -238,13 +238,12 @@ def test_decode_composes_in_the_kernel(reference_case, monkeypatch, name):
                                     post=terms.get("post"), use_causal_mask=True,
                                     sliding_window=cfg.sliding_window, query_offset=index,
                                     implementation=implementation)
-    stages = len(terms)
     assert_close(core(f32(q), f32(k), f32(v), t), o_ref)
-    assert len(ran) == stages
+    assert len(ran) == 1
     if BACKEND == "jax":
         import jax
         assert_close(jax.jit(core)(f32(q), f32(k), f32(v), np.int32(t)), o_ref)
-        assert len(ran) == 2 * stages
+        assert len(ran) == 2
 
 
 def _jax_kernel():
@@ -279,6 +278,44 @@ def test_jax_decode_compose_gradient_is_the_plain_forms(reference_case):
                  dops.decode_compose(x, dict(terms["pre"]), 2))
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="the jax_decode kernel (jax.ffi)")
+@pytest.mark.parametrize("mask_shape", [None, (2, 1, 7), (1, 1, 1), (2, 4, 1, 7)])
+def test_jax_decode_probs_and_gradient_are_the_plain_forms(reference_case, mask_shape):
+    """The kernel's probabilities (both composes, the masked softmax) equal
+    ``dcmha.ops.one_query_probs`` with every mask form the one-query path passes (none,
+    (B, 1, S) with a fully masked row, broadcast (1, 1, 1), per head (B, N, 1, S)), and
+    differentiate as it does; masked probabilities stay exactly 0 after a post compose
+    without key-side terms."""
+    kernel = _jax_kernel()
+    import jax
+    import jax.numpy as jnp
+    kwargs = dict(num_heads=4, key_dim=8, num_groups=2, static_compose=True)
+    *_, terms, f32 = _core_case(reference_case, kwargs, 4, 7)
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=(2, 2, 2, 7)) * 3, jnp.float32)
+    mask = None if mask_shape is None else rng.random(mask_shape) < 0.6
+    if mask is not None and mask_shape[-1] == 7:
+        mask[1] = False                                  # batch row 1 sees no key
+    if mask is not None:
+        mask = jnp.asarray(mask)
+    stages = {st: {n: jnp.asarray(w) for n, w in tm.items()} for st, tm in terms.items()}
+
+    def loss(probs):
+        return lambda x, st: jnp.sum(jnp.sin(probs(x, mask, st["pre"], st["post"], 2)))
+    got = kernel.decode_probs(x, mask, stages["pre"], stages["post"], 2)
+    assert_close(got, dops.one_query_probs(x, mask, stages["pre"], stages["post"], 2))
+    g_got = jax.grad(loss(kernel.decode_probs), argnums=(0, 1))(x, stages)
+    g_want = jax.grad(loss(dops.one_query_probs), argnums=(0, 1))(x, stages)
+    for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+        assert_close(a, b)
+    pre_only = kernel.decode_probs(x, mask, stages["pre"], None, 2)
+    if mask is not None and mask_shape[-1] == 7:     # (B, 1, S) / (B, N, 1, S) -> (B, G, M, S)
+        m = np.asarray(mask)
+        seen = np.broadcast_to(m[:, None] if m.ndim == 3 else m.reshape(2, 2, 2, 7),
+                               (2, 2, 2, 7))[0]
+        np.testing.assert_array_equal(np_(pre_only)[0][~seen], 0.0)
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="torch_decode's gradient rule")
 def test_torch_decode_records_gradients_without_the_kernel(reference_case, monkeypatch):
     """A step whose inputs require gradients runs PyTorch's ops (the kernel records none):
@@ -298,5 +335,5 @@ def test_torch_decode_records_gradients_without_the_kernel(reference_case, monke
     assert all(w.grad is not None for w in pre.values())
     with torch.no_grad():
         o_kernel = dops.dcmha_attention(*args, pre=pre, **kw)
-    assert len(ran) == 2
+    assert len(ran) == 1
     assert_close(o.detach(), np_(o_kernel))

@@ -11,6 +11,7 @@
    generic loops.
 
    Compiles on its own: cc -O3 -march=native -fopenmp-simd -std=c11 -shared -fPIC compose.c */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -476,5 +477,63 @@ int dcmha_compose_cached(int64_t B, int64_t G, int64_t M, int64_t T, int64_t S, 
     dcmha_cached_args(&a, B, G, M, T, S, Rk, x, out, wq, B, T, kw1, kw2, kdd, scratch + n_wq);
     const int failed = dcmha_compose_forward(&a);
     free(scratch);
+    return failed;
+}
+
+/* The rows of x (n rows of S) as softmax(where(mask, x, masked)) into p (p may be x); row i
+   reads mask + mask_row(i) (a row of mask_s values, a size-1 row broadcast), NULL: no mask. */
+static void masked_softmax(const float *x, float *p, int64_t B, int64_t N, int64_t S,
+                           const uint8_t *mask, int64_t mask_b, int64_t mask_n,
+                           int64_t mask_s, float masked) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t n = 0; n < N; n++) {
+            const float *xr = x + (b * N + n) * S;
+            float *pr = p + (b * N + n) * S;
+            const uint8_t *mr = mask ? mask + ((mask_b == 1 ? 0 : b) * mask_n
+                                               + (mask_n == 1 ? 0 : n)) * mask_s : 0;
+            float mx = -INFINITY;
+            for (int64_t s = 0; s < S; s++) {
+                const float v = mr && !mr[mask_s == 1 ? 0 : s] ? masked : xr[s];
+                pr[s] = v;
+                mx = v > mx ? v : mx;
+            }
+            float sum = 0.0f;
+            for (int64_t s = 0; s < S; s++) {
+                pr[s] = expf(pr[s] - mx);
+                sum += pr[s];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t s = 0; s < S; s++) pr[s] *= inv;
+        }
+}
+
+int dcmha_decode_probs(int64_t B, int64_t G, int64_t M, int64_t S, const float *x, float *p,
+                       const uint8_t *mask, int64_t mask_b, int64_t mask_n, int64_t mask_s,
+                       float masked, int64_t pre_rq, int64_t pre_rk, const float *pre_qw1,
+                       const float *pre_qw2, const float *pre_qdd, const float *pre_static,
+                       const float *pre_kw1, const float *pre_kw2, const float *pre_kdd,
+                       int64_t post_rq, int64_t post_rk, const float *post_qw1,
+                       const float *post_qw2, const float *post_qdd, const float *post_static,
+                       const float *post_kw1, const float *post_kw2, const float *post_kdd) {
+    const int has_pre = pre_qw1 || pre_qdd || pre_static || pre_kw1 || pre_kdd;
+    const int has_post = post_qw1 || post_qdd || post_static || post_kw1 || post_kdd;
+    float *tmp = has_post ? (float *)malloc(sizeof(float) * (size_t)(B * G * M * S)) : 0;
+    if (has_post && !tmp) return 1;
+    float *probs = has_post ? tmp : p;       /* the softmax's output */
+    if (has_pre) {                           /* composed scores, straight into probs */
+        if (dcmha_compose_cached(B, G, M, 1, S, pre_rq, pre_rk, x, probs, pre_qw1, pre_qw2,
+                                 pre_qdd, pre_static, pre_kw1, pre_kw2, pre_kdd)) {
+            free(tmp);
+            return 1;
+        }
+        x = probs;
+    }
+    masked_softmax(x, probs, B, G * M, S, mask, mask_b, mask_n, mask_s, masked);
+    int failed = 0;
+    if (has_post)
+        failed = dcmha_compose_cached(B, G, M, 1, S, post_rq, post_rk, probs, p, post_qw1,
+                                      post_qw2, post_qdd, post_static, post_kw1, post_kw2,
+                                      post_kdd);
+    free(tmp);
     return failed;
 }

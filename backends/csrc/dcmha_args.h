@@ -87,6 +87,21 @@ DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_compose_cached(
     const float *x, float *out, const float *qw1, const float *qw2, const float *qdd,
     const float *st, const float *kw1, const float *kw2, const float *kdd);
 
+/* One query's probabilities, as the plain core's one-query path computes them: p (B, G, M, S)
+   = Compose_post(softmax(where(mask, Compose_pre(x), masked))) for the scores x (B, G, M, S)
+   (p must not alias x). Each stage's terms as dcmha_compose_cached's (T = 1), all NULL for
+   an absent stage. mask (mask_b, mask_n, mask_s), 1 = attend, with mask_b in {1, B}, mask_n
+   in {1, G M} and mask_s in {1, S} (a size-1 axis broadcast), or NULL. The softmax is in
+   float32 and subtracts the row's maximum. 0 on success, 1 when out of memory. */
+DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_decode_probs(
+    int64_t B, int64_t G, int64_t M, int64_t S, const float *x, float *p, const uint8_t *mask,
+    int64_t mask_b, int64_t mask_n, int64_t mask_s, float masked, int64_t pre_rq,
+    int64_t pre_rk, const float *pre_qw1, const float *pre_qw2, const float *pre_qdd,
+    const float *pre_static, const float *pre_kw1, const float *pre_kw2, const float *pre_kdd,
+    int64_t post_rq, int64_t post_rk, const float *post_qw1, const float *post_qw2,
+    const float *post_qdd, const float *post_static, const float *post_kw1,
+    const float *post_kw2, const float *post_kdd);
+
 /* Every field of Args, in declaration order (the loader checks each by name). */
 #define DCMHA_ARGS_FIELDS(F)                                                            \
     F(B) F(t) F(G) F(M) F(R) F(s)                                                       \

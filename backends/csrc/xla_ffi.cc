@@ -5,7 +5,9 @@
    kw1, kw2, kdd; flags) -> (dx, dwq, dkw1, dkw2, dkdd), arrays as in compose_wrap.h; and
    DcmhaComposeCached(x, qw1, qw2, qdd, static, kw1, kw2, kdd; flags) -> out, the forward from
    the spec's terms with the key side in the decode cache's layout (registered by dcmha.backends.jax_cpu as
-   "dcmha_compose_cached", for one-query steps).
+   "dcmha_compose_cached"); and DcmhaDecodeProbs(x, mask, 7 pre terms, 7 post terms; pre_flags,
+   post_flags, has_mask, masked) -> p, one query's compose / masked softmax / compose
+   (dcmha_decode_probs; registered as "dcmha_decode_probs", for one-query steps).
 
    Compiles on its own against jaxlib's FFI headers:
    c++ -std=c++17 -I"$(python -c 'import jax; print(jax.ffi.include_dir())')" -c xla_ffi.cc */
@@ -59,6 +61,60 @@ static ffi::Error Cached(F32 x, F32 qw1, F32 qw2, F32 qdd, F32 st, F32 kw1, F32 
         return ffi::Error::Internal("dcmha compose: out of memory");
     return ffi::Error::Success();
 }
+
+/* The terms of one stage (pointers into the handler's inputs, NULL where absent). */
+struct Stage {
+    int64_t rq = 1, rk = 1;
+    const float *t[7] = {nullptr};
+};
+
+static Stage stage(F32 qw1, F32 qw2, F32 qdd, F32 st, F32 kw1, F32 kw2, F32 kdd, int64_t flags) {
+    Stage s;
+    if (flags & DCMHA_HAS_QW) {
+        s.rq = qw1.dimensions()[3];
+        s.t[0] = qw1.typed_data(); s.t[1] = qw2.typed_data();
+    }
+    if (flags & DCMHA_HAS_QDD) s.t[2] = qdd.typed_data();
+    if (flags & DCMHA_HAS_STATIC) s.t[3] = st.typed_data();
+    if (flags & DCMHA_HAS_KW) {
+        s.rk = kw1.dimensions()[3];
+        s.t[4] = kw1.typed_data(); s.t[5] = kw2.typed_data();
+    }
+    if (flags & DCMHA_HAS_KDD) s.t[6] = kdd.typed_data();
+    return s;
+}
+
+/* x (B, G, M, S); mask (mask_b, mask_n, mask_s) uint8 (a 1-element dummy when has_mask is 0);
+   then the pre stage's and the post stage's terms as DcmhaComposeCached's (T = 1), with
+   their flags: dcmha_decode_probs. */
+static ffi::Error Probs(F32 x, ffi::Buffer<ffi::U8> mask, F32 a1, F32 a2, F32 a3, F32 a4,
+                        F32 a5, F32 a6, F32 a7, F32 b1, F32 b2, F32 b3, F32 b4, F32 b5, F32 b6,
+                        F32 b7, Out p, int64_t pre_flags, int64_t post_flags, int64_t has_mask,
+                        float masked) {
+    const auto d = x.dimensions();
+    const auto md = mask.dimensions();
+    const Stage pre = stage(a1, a2, a3, a4, a5, a6, a7, pre_flags);
+    const Stage post = stage(b1, b2, b3, b4, b5, b6, b7, post_flags);
+    if (dcmha_decode_probs(d[0], d[1], d[2], d[3], x.typed_data(), p->typed_data(),
+                           has_mask ? mask.typed_data() : nullptr, has_mask ? md[0] : 1,
+                           has_mask ? md[1] : 1, has_mask ? md[2] : 1, masked, pre.rq, pre.rk,
+                           pre.t[0], pre.t[1], pre.t[2], pre.t[3], pre.t[4], pre.t[5], pre.t[6],
+                           post.rq, post.rk, post.t[0], post.t[1], post.t[2], post.t[3],
+                           post.t[4], post.t[5], post.t[6]))
+        return ffi::Error::Internal("dcmha decode probabilities: out of memory");
+    return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DcmhaDecodeProbs, Probs,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32>().Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Arg<F32>().Arg<F32>()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Arg<F32>().Arg<F32>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("pre_flags").Attr<int64_t>("post_flags")
+                                  .Attr<int64_t>("has_mask").Attr<float>("masked"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DcmhaComposeCached, Cached,
                               ffi::Ffi::Bind()

@@ -39,4 +39,4 @@ def attention(call):
     if not call.one_query:
         return dops.attention(call)
     from . import dcmha_jax_cpu
-    return dops.attention(call, one_query_compose=dcmha_jax_cpu.decode_compose)
+    return dops.attention(call, decode_probs=dcmha_jax_cpu.decode_probs)

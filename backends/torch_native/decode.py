@@ -58,16 +58,17 @@ def attention(call):
     return _one_query(call), {}
 
 
-def _kernel(x, terms):
-    """The compiled compose kernel (``cpu_kernel``) for one compose of a step on the CPU
-    with the terms it computes and no gradient to record, else None (PyTorch ops run)."""
+def _kernel(x, pre, post):
+    """The compiled kernel (``cpu_kernel``) for a step on the CPU with a compose stage whose
+    terms it computes and no gradient to record, else None (PyTorch ops run)."""
     import torch
 
     from dcmha import ops as dops
-    if x.device.type != "cpu" or not terms.keys() <= dops.LOW_RANK_TERMS:
+    if x.device.type != "cpu" or not (pre or post) or not (
+            pre.keys() <= dops.LOW_RANK_TERMS and post.keys() <= dops.LOW_RANK_TERMS):
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad
-                                                           for w in terms.values())):
+    if torch.is_grad_enabled() and (x.requires_grad or any(
+            w.requires_grad for w in (*pre.values(), *post.values()))):
         return None
     return cpu_kernel.load()
 
@@ -89,24 +90,26 @@ def _one_query(call):
         return torch.eye(m, dtype=torch.float32, device=q.device)
 
     def compose(a, terms):
-        terms = {n: torch.as_tensor(w, device=q.device).to(torch.float32)
-                 for n, w in terms.items()}
-        lib = _kernel(a, terms)
-        if lib is not None:
-            return cpu_kernel.compose_cached(
-                lib, a.contiguous(), torch.empty_like(a, memory_format=torch.contiguous_format),
-                {n: w.contiguous() for n, w in terms.items()})
         return dops.decode_compose(a, terms, M, einsum=torch.einsum, matmul=torch.matmul,
                                    eye=eye, reduce_sum=torch.sum, transpose=torch.permute)
 
-    if call.pre:
-        x = compose(x, call.pre)
-    vis = _visible(call, S, q.device)
-    if vis is not None:
-        x = x.masked_fill(~vis[:, :, None], spec_terms.MASKED_SCORE)   # (B|1, 1, 1, S)
-    p = torch.softmax(x, dim=-1)
-    if call.post:
-        p = compose(p, call.post)
+    pre, post = ({n: torch.as_tensor(w, device=q.device).to(torch.float32)
+                  for n, w in (stage or {}).items()} for stage in (call.pre, call.post))
+    vis = _visible(call, S, q.device)                                   # (B|1, 1, S) or None
+    lib = _kernel(x, pre, post)
+    if lib is not None:          # both composes and the masked softmax in one kernel call
+        contiguous = lambda terms: {n: w.contiguous() for n, w in terms.items()}  # noqa: E731
+        p = cpu_kernel.decode_probs(lib, x.contiguous(), torch.empty((B, G, M, S), dtype=torch.float32),
+                                    None if vis is None else vis.contiguous(),
+                                    contiguous(pre), contiguous(post), spec_terms.MASKED_SCORE)
+    else:
+        if pre:
+            x = compose(x, pre)
+        if vis is not None:
+            x = x.masked_fill(~vis[:, :, None], spec_terms.MASKED_SCORE)   # (B|1, 1, 1, S)
+        p = torch.softmax(x, dim=-1)
+        if post:
+            p = compose(p, post)
     o = torch.einsum("bhrs,bshv->bhrv", p.reshape(B, N_kv, rep, S), v).reshape(B, 1, N, d_v)
     if vis is not None:                  # a query that sees no key outputs 0
         o = o * vis.any(dim=-1).to(torch.float32)[:, :, None, None]
