@@ -20,6 +20,38 @@ static void dcmha_fill(Args &a, const int64_t *d, int64_t R, const float *x, con
     dcmha_fill_args(&a, d, R, x, wq, kw1, kw2, kdd, flags);
 }
 
+/* One compose stage of dcmha_decode_probs: its ranks and its 7 terms (qw1, qw2, qdd, static,
+   kw1, kw2, kdd), NULL where the stage's flags (DCMHA_HAS_QW / QDD / STATIC / KW / KDD) say
+   the term is absent (the wrapper passes a dummy there). */
+struct DcmhaStage {
+    int64_t rq = 1, rk = 1;
+    const float *t[7] = {nullptr};
+};
+
+static DcmhaStage dcmha_stage(const float *const data[7], int64_t rq, int64_t rk,
+                              int64_t flags) {
+    static const int64_t bits[7] = {DCMHA_HAS_QW, DCMHA_HAS_QW, DCMHA_HAS_QDD, DCMHA_HAS_STATIC,
+                                    DCMHA_HAS_KW, DCMHA_HAS_KW, DCMHA_HAS_KDD};
+    DcmhaStage s;
+    for (int i = 0; i < 7; i++) s.t[i] = (flags & bits[i]) ? data[i] : nullptr;
+    if (flags & DCMHA_HAS_QW) s.rq = rq;
+    if (flags & DCMHA_HAS_KW) s.rk = rk;
+    return s;
+}
+
+/* dcmha_decode_probs with each stage as a DcmhaStage; mask dims d[0..2] (NULL: no mask). */
+static int dcmha_probs(const int64_t *x_dims, const float *x, float *p, const uint8_t *mask,
+                       const int64_t *mask_dims, float masked, const DcmhaStage &pre,
+                       const DcmhaStage &post) {
+    const int64_t *d = x_dims;
+    return dcmha_decode_probs(d[0], d[1], d[2], d[3], x, p, mask, mask ? mask_dims[0] : 1,
+                              mask ? mask_dims[1] : 1, mask ? mask_dims[2] : 1, masked,
+                              pre.rq, pre.rk, pre.t[0], pre.t[1], pre.t[2], pre.t[3],
+                              pre.t[4], pre.t[5], pre.t[6], post.rq, post.rk, post.t[0],
+                              post.t[1], post.t[2], post.t[3], post.t[4], post.t[5],
+                              post.t[6]);
+}
+
 /* Gradient buffers: zeroed (the kernel accumulates), then attached where present. */
 static void dcmha_grads(Args &a, float *dwq, size_t n_dwq, float *dkw1, float *dkw2,
                         size_t n_dkw, float *dkdd, size_t n_dkdd, int64_t flags) {

@@ -44,44 +44,28 @@ static ffi::Error Backward(F32 x, F32 g, F32 wq, F32 kw1, F32 kw2, F32 kdd, Out 
     return ffi::Error::Success();
 }
 
+/* One stage's DcmhaStage from its seven inputs (qw1 and kw1 give the ranks). */
+static DcmhaStage stage(F32 qw1, F32 qw2, F32 qdd, F32 st, F32 kw1, F32 kw2, F32 kdd,
+                        int64_t flags) {
+    const float *data[7] = {qw1.typed_data(), qw2.typed_data(), qdd.typed_data(),
+                            st.typed_data(), kw1.typed_data(), kw2.typed_data(),
+                            kdd.typed_data()};
+    const auto rank = [](F32 w) { return w.dimensions().size() == 5 ? w.dimensions()[3] : 1; };
+    return dcmha_stage(data, rank(qw1), rank(kw1), flags);
+}
+
 /* x (B, G, M, T, S); qw1, qw2 (B, T, G, R, M); qdd (B, T, G, M); static (G, M, M); kw1, kw2
    (B, S, G, R, M); kdd (B, S, G, M): the spec's terms, the key side in the layout of the
    decode cache (dcmha_compose_cached). flags: DCMHA_HAS_QW / QDD / STATIC / KW / KDD. */
 static ffi::Error Cached(F32 x, F32 qw1, F32 qw2, F32 qdd, F32 st, F32 kw1, F32 kw2, F32 kdd,
                          Out out, int64_t flags) {
     const auto d = x.dimensions();
-    const bool qw = flags & DCMHA_HAS_QW, kw = flags & DCMHA_HAS_KW;
-    if (dcmha_compose_cached(d[0], d[1], d[2], d[3], d[4], qw ? qw1.dimensions()[3] : 1,
-                             kw ? kw1.dimensions()[3] : 1, x.typed_data(), out->typed_data(),
-                             qw ? qw1.typed_data() : nullptr, qw ? qw2.typed_data() : nullptr,
-                             (flags & DCMHA_HAS_QDD) ? qdd.typed_data() : nullptr,
-                             (flags & DCMHA_HAS_STATIC) ? st.typed_data() : nullptr,
-                             kw ? kw1.typed_data() : nullptr, kw ? kw2.typed_data() : nullptr,
-                             (flags & DCMHA_HAS_KDD) ? kdd.typed_data() : nullptr))
+    const DcmhaStage s = stage(qw1, qw2, qdd, st, kw1, kw2, kdd, flags);
+    if (dcmha_compose_cached(d[0], d[1], d[2], d[3], d[4], s.rq, s.rk, x.typed_data(),
+                             out->typed_data(), s.t[0], s.t[1], s.t[2], s.t[3], s.t[4], s.t[5],
+                             s.t[6]))
         return ffi::Error::Internal("dcmha compose: out of memory");
     return ffi::Error::Success();
-}
-
-/* The terms of one stage (pointers into the handler's inputs, NULL where absent). */
-struct Stage {
-    int64_t rq = 1, rk = 1;
-    const float *t[7] = {nullptr};
-};
-
-static Stage stage(F32 qw1, F32 qw2, F32 qdd, F32 st, F32 kw1, F32 kw2, F32 kdd, int64_t flags) {
-    Stage s;
-    if (flags & DCMHA_HAS_QW) {
-        s.rq = qw1.dimensions()[3];
-        s.t[0] = qw1.typed_data(); s.t[1] = qw2.typed_data();
-    }
-    if (flags & DCMHA_HAS_QDD) s.t[2] = qdd.typed_data();
-    if (flags & DCMHA_HAS_STATIC) s.t[3] = st.typed_data();
-    if (flags & DCMHA_HAS_KW) {
-        s.rk = kw1.dimensions()[3];
-        s.t[4] = kw1.typed_data(); s.t[5] = kw2.typed_data();
-    }
-    if (flags & DCMHA_HAS_KDD) s.t[6] = kdd.typed_data();
-    return s;
 }
 
 /* x (B, G, M, S); mask (mask_b, mask_n, mask_s) uint8 (a 1-element dummy when has_mask is 0);
@@ -91,16 +75,11 @@ static ffi::Error Probs(F32 x, ffi::Buffer<ffi::U8> mask, F32 a1, F32 a2, F32 a3
                         F32 a5, F32 a6, F32 a7, F32 b1, F32 b2, F32 b3, F32 b4, F32 b5, F32 b6,
                         F32 b7, Out p, int64_t pre_flags, int64_t post_flags, int64_t has_mask,
                         float masked) {
-    const auto d = x.dimensions();
-    const auto md = mask.dimensions();
-    const Stage pre = stage(a1, a2, a3, a4, a5, a6, a7, pre_flags);
-    const Stage post = stage(b1, b2, b3, b4, b5, b6, b7, post_flags);
-    if (dcmha_decode_probs(d[0], d[1], d[2], d[3], x.typed_data(), p->typed_data(),
-                           has_mask ? mask.typed_data() : nullptr, has_mask ? md[0] : 1,
-                           has_mask ? md[1] : 1, has_mask ? md[2] : 1, masked, pre.rq, pre.rk,
-                           pre.t[0], pre.t[1], pre.t[2], pre.t[3], pre.t[4], pre.t[5], pre.t[6],
-                           post.rq, post.rk, post.t[0], post.t[1], post.t[2], post.t[3],
-                           post.t[4], post.t[5], post.t[6]))
+    const DcmhaStage pre = stage(a1, a2, a3, a4, a5, a6, a7, pre_flags);
+    const DcmhaStage post = stage(b1, b2, b3, b4, b5, b6, b7, post_flags);
+    if (dcmha_probs(x.dimensions().begin(), x.typed_data(), p->typed_data(),
+                    has_mask ? mask.typed_data() : nullptr, mask.dimensions().begin(), masked,
+                    pre, post))
         return ffi::Error::Internal("dcmha decode probabilities: out of memory");
     return ffi::Error::Success();
 }
