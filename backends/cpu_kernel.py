@@ -192,8 +192,7 @@ def ffi_recipe(include_dir: str, jaxlib_version: str) -> Recipe:
     against jaxlib's FFI headers in ``include_dir``."""
     return _wrapper_recipe("compose_xla_ffi", "xla_ffi.cc", [f"-I{include_dir}"], (),
                            (f"jaxlib {jaxlib_version}", include_dir),
-                           ("DcmhaComposeForward", "DcmhaComposeBackward", "DcmhaComposeCached",
-                            "DcmhaDecodeProbs"))
+                           ("DcmhaComposeForward", "DcmhaComposeBackward", "DcmhaDecodeProbs"))
 
 
 def tf_recipe(compile_flags, link_flags, tf_version: str) -> Recipe:
@@ -699,15 +698,16 @@ def compose_forward(lib, x, out, st, G, R):
     return out
 
 
-#: The spec's terms in the order of ``dcmha_compose_cached``'s arguments (and of the XLA FFI
-#: handler ``DcmhaComposeCached``'s inputs after x).
+#: The spec's terms in the order of a stage's arguments of ``dcmha_compose_cached`` and
+#: ``dcmha_decode_probs``.
 CACHED_TERMS = ("qw1", "qw2", "qdd", "static", "kw1", "kw2", "kdd")
-#: Each term's bit in the FFI handler's ``flags`` (``DCMHA_HAS_*`` of ``csrc/dcmha_args.h``).
+#: Each term's bit in a stage's flags (``DCMHA_HAS_*`` of ``csrc/dcmha_args.h``; the XLA FFI
+#: handler ``DcmhaDecodeProbs`` takes them).
 _CACHED_FLAGS = {"qw1": 8, "qw2": 8, "qdd": 16, "static": 32, "kw1": 2, "kw2": 2, "kdd": 4}
 
 
 def cached_flags(names) -> int:
-    """The FFI handler's ``flags`` for the terms ``names`` (a subset of ``CACHED_TERMS``)."""
+    """A stage's flags for the terms ``names`` (a subset of ``CACHED_TERMS``)."""
     flags = 0
     for n in names:
         flags |= _CACHED_FLAGS[n]

@@ -255,30 +255,6 @@ def _jax_kernel():
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="the jax_decode kernel (jax.ffi)")
-def test_jax_decode_compose_gradient_is_the_plain_forms(reference_case):
-    """The kernel's compose differentiates as ``dcmha.ops.decode_compose`` (its backward
-    is the plain form's vjp)."""
-    kernel = _jax_kernel()
-    import jax
-    import jax.numpy as jnp
-    kwargs = dict(num_heads=4, key_dim=8, num_groups=2, static_compose=True)
-    *_, terms, f32 = _core_case(reference_case, kwargs, 4, 7)
-    x = jnp.asarray(np.random.default_rng(5).normal(size=(2, 2, 2, 7)), jnp.float32)
-    weights = {"x": x, **{n: jnp.asarray(w) for n, w in terms["pre"].items()}}
-
-    def loss(compose):
-        return lambda w: jnp.sum(jnp.sin(compose(w["x"], {n: a for n, a in w.items()
-                                                          if n != "x"}, 2)))
-    got = jax.grad(loss(kernel.decode_compose))(weights)
-    want = jax.grad(loss(dops.decode_compose))(weights)
-    assert sorted(got) == sorted(want)
-    for n in want:
-        assert_close(got[n], want[n])
-    assert_close(kernel.decode_compose(x, dict(terms["pre"]), 2),
-                 dops.decode_compose(x, dict(terms["pre"]), 2))
-
-
-@pytest.mark.skipif(BACKEND != "jax", reason="the jax_decode kernel (jax.ffi)")
 @pytest.mark.parametrize("mask_shape", [None, (2, 1, 7), (1, 1, 1), (2, 4, 1, 7)])
 def test_jax_decode_probs_and_gradient_are_the_plain_forms(reference_case, mask_shape):
     """The kernel's probabilities (both composes, the masked softmax) equal

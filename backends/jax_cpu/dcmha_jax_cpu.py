@@ -24,11 +24,11 @@ from dcmha.spec import terms as spec_terms
 
 from .. import cpu_blocks, cpu_kernel
 
-__all__ = ["dcmha_attention", "dcmha_attention_reference", "decode_compose", "decode_probs",
-           "load", "unavailable_reason"]
+__all__ = ["dcmha_attention", "dcmha_attention_reference", "decode_probs", "load",
+           "unavailable_reason"]
 
 _FORWARD, _BACKWARD = "dcmha_compose_forward", "dcmha_compose_backward"
-_CACHED, _PROBS = "dcmha_compose_cached", "dcmha_decode_probs"
+_PROBS = "dcmha_decode_probs"
 
 
 def _recipe():
@@ -45,8 +45,6 @@ def _build():
         jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(lib.DcmhaComposeForward),
                                     platform="cpu")
         jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(lib.DcmhaComposeBackward),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(_CACHED, jax.ffi.pycapsule(lib.DcmhaComposeCached),
                                     platform="cpu")
         jax.ffi.register_ffi_target(_PROBS, jax.ffi.pycapsule(lib.DcmhaDecodeProbs),
                                     platform="cpu")
@@ -82,67 +80,40 @@ _compose.defvjp(_compose_fwd, _compose_bwd)
 
 
 # ---------------------------------------------------------------------------
-# One query's compose with the key-side terms read from the decode cache
+# One query's composes and masked softmax, the key-side terms read from the decode cache
 # ---------------------------------------------------------------------------
 
 _DUMMY = np.zeros((1,), np.float32)
-
-
-def _stage_inputs(terms):
-    """One stage's terms in ``cpu_kernel.CACHED_TERMS`` order (float32; 1-element dummies for
-    the absent ones) and its flags."""
-    terms = terms or {}
-    return ([terms[n].astype(jnp.float32) if n in terms else _DUMMY
-             for n in cpu_kernel.CACHED_TERMS], np.int64(cpu_kernel.cached_flags(terms)))
-
-
-def _cached_ffi(x, terms, M):
-    """``dcmha.ops.decode_compose``'s arithmetic by the kernel (``DcmhaComposeCached``): x
-    (B, G, M, S); the spec's terms as they are."""
-    B, G, _, S = x.shape
-    ins, flags = _stage_inputs(terms)
-    out = jax.ffi.ffi_call(_CACHED, jax.ShapeDtypeStruct((B, G, M, 1, S), jnp.float32),
-                           vmap_method="sequential")(jnp.reshape(x, (B, G, M, 1, S)), *ins,
-                                                     flags=flags)
-    return jnp.reshape(out, (B, G, M, S))
+_QUERY_TERMS, _KEY_TERMS = ("qw1", "qw2", "qdd", "static"), ("kw1", "kw2", "kdd")
 
 
 def _probs_ffi(x, mask, pre, post, M):
-    """``dcmha.ops.one_query_probs`` by the kernel (``DcmhaDecodeProbs``)."""
+    """``dcmha.ops.one_query_probs`` by the kernel (``DcmhaDecodeProbs``): the query-side
+    terms of both stages packed into one array (one XLA fusion writes it, where one operand
+    per term would cost one copy each), the key-side terms as the cache holds them."""
     B, G, _, S = x.shape
     if mask is None:
-        m = np.zeros((1, 1, 1), np.uint8)
+        m = np.zeros((1, 1, 1), bool)
     else:          # (B|1, 1, S|1) or per head (B|1, N, 1, S|1) -> (B|1, 1|N, S|1)
         m = jnp.reshape(mask, (mask.shape[0], mask.shape[1] if mask.ndim == 4 else 1,
-                               mask.shape[-1])).astype(jnp.uint8)
-    pre_ins, pre_flags = _stage_inputs(pre)
-    post_ins, post_flags = _stage_inputs(post)
+                               mask.shape[-1]))
+    stages = (pre or {}, post or {})
+    query = [jnp.ravel(st[n]).astype(jnp.float32) for st in stages for n in _QUERY_TERMS
+             if n in st]
+    keys = [st[n].astype(jnp.float32) if n in st else _DUMMY for st in stages
+            for n in _KEY_TERMS]
+    rank = [st["qw1"].shape[3] if "qw1" in st else 1 for st in stages]
     return jax.ffi.ffi_call(_PROBS, jax.ShapeDtypeStruct((B, G, M, S), jnp.float32),
                             vmap_method="sequential")(
-        x, m, *pre_ins, *post_ins, pre_flags=pre_flags, post_flags=post_flags,
-        has_mask=np.int64(mask is not None), masked=np.float32(spec_terms.MASKED_SCORE))
+        x, m, jnp.concatenate(query) if query else _DUMMY, *keys,
+        pre_flags=np.int64(cpu_kernel.cached_flags(stages[0])),
+        post_flags=np.int64(cpu_kernel.cached_flags(stages[1])), pre_rank=np.int64(rank[0]),
+        post_rank=np.int64(rank[1]), has_mask=np.int64(mask is not None),
+        masked=np.float32(spec_terms.MASKED_SCORE))
 
 
-# Differentiable: the backward of each is the plain form's vjp (decoding steps are rarely
+# Differentiable: the backward is the plain form's vjp (decoding steps are rarely
 # differentiated).
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _decode_compose(x, terms, M):
-    return _cached_ffi(x, terms, M)
-
-
-def _decode_compose_fwd(x, terms, M):
-    return _cached_ffi(x, terms, M), (x, terms)
-
-
-def _decode_compose_bwd(M, res, g):
-    _, vjp = jax.vjp(lambda x, terms: dops.decode_compose(x, terms, M), *res)
-    return vjp(g)
-
-
-_decode_compose.defvjp(_decode_compose_fwd, _decode_compose_bwd)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _decode_probs(x, mask, pre, post, M):
     return _probs_ffi(x, mask, pre, post, M)
@@ -163,28 +134,15 @@ def _decode_probs_bwd(M, res, g):
 _decode_probs.defvjp(_decode_probs_fwd, _decode_probs_bwd)
 
 
-def _kernel_terms(*stages) -> bool:
-    """Whether the kernel computes these stages' terms (and it is built)."""
-    return all(not s or s.keys() <= dops.LOW_RANK_TERMS for s in stages) and load()
-
-
-def decode_compose(x, terms, M):
-    """``dcmha.ops.decode_compose`` (one query: x (B, G, M, S) float32, the key-side terms
-    in the cache's (B, S, G, ...) layout) by the compiled kernel, for the terms of
-    ``dcmha.ops.LOW_RANK_TERMS``; other terms, or no kernel, take the plain form. Its
-    gradient is the plain form's."""
-    if not _kernel_terms(terms):
-        return dops.decode_compose(x, terms, M)
-    return _decode_compose(x, dict(terms), M)
-
-
 def decode_probs(x, mask, pre, post, M):
-    """``dcmha.ops.one_query_probs`` (one query's composes, masked softmax: scores x (B, G,
-    M, S) -> probabilities, float32) as one call of the compiled kernel when a stage is
-    present with the terms of ``dcmha.ops.LOW_RANK_TERMS``; otherwise the plain form, its
-    composes by ``decode_compose``. Its gradient is the plain form's."""
-    if not (pre or post) or not _kernel_terms(pre, post):
-        return dops.one_query_probs(x, mask, pre, post, M, compose=decode_compose)
+    """``dcmha.ops.one_query_probs`` (one query's composes and masked softmax: scores x (B,
+    G, M, S) -> probabilities, float32; the key-side terms in the cache's (B, S, G, ...)
+    layout) as one call of the compiled kernel when a stage is present, every term is one
+    of ``dcmha.ops.LOW_RANK_TERMS`` and the kernel is built; otherwise the plain form. Its
+    gradient is the plain form's."""
+    if not (pre or post) or not all(not s or s.keys() <= dops.LOW_RANK_TERMS
+                                    for s in (pre, post)) or not load():
+        return dops.one_query_probs(x, mask, pre, post, M)
     return _decode_probs(x, mask, dict(pre or {}), dict(post or {}), M)
 
 
