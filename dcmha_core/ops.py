@@ -544,6 +544,12 @@ def decode_compose(x, terms, M, *, einsum=None, matmul=None, eye=None, reduce_su
     return out
 
 
+def kernel_stages(pre, post) -> bool:
+    """Whether a one-query call's stages are what the compiled decode kernel computes
+    (``dcmha_decode_probs``): at least one stage, every term in ``LOW_RANK_TERMS``."""
+    return bool(pre or post) and all(not s or s.keys() <= LOW_RANK_TERMS for s in (pre, post))
+
+
 def _decode_compose_products(x, terms, reduce_sum, transpose):
     """``decode_compose``'s broadcast form (see there), for the terms of ``LOW_RANK_TERMS``."""
     out = x

@@ -140,8 +140,7 @@ def decode_probs(x, mask, pre, post, M):
     layout) as one call of the compiled kernel when a stage is present, every term is one
     of ``dcmha.ops.LOW_RANK_TERMS`` and the kernel is built; otherwise the plain form. Its
     gradient is the plain form's."""
-    if not (pre or post) or not all(not s or s.keys() <= dops.LOW_RANK_TERMS
-                                    for s in (pre, post)) or not load():
+    if not dops.kernel_stages(pre, post) or not load():
         return dops.one_query_probs(x, mask, pre, post, M)
     return _decode_probs(x, mask, dict(pre or {}), dict(post or {}), M)
 

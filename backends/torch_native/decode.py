@@ -8,7 +8,10 @@ wraps, because of its argument conversions. So this module runs the step of
 low-rank form through ``dcmha.ops.decode_compose``, the masked softmax, P.V)
 with PyTorch's own functions. It computes the same arithmetic and the same
 masking rules: masked probabilities are exactly 0, and a query that sees no key
-outputs 0.
+outputs 0. On the CPU, with no gradient to record, both composes and the masked
+softmax are one call of the compiled C kernel (``cpu_kernel.decode_probs``, which
+reads the key-side weights in the cache's layout); without the kernel
+(``DCMHA_CPU_KERNEL=0``, no C compiler) PyTorch's ops compute them.
 
 ``"auto"`` takes it for T == 1 calls (``preferred``). Any other call that names
 it goes to the plain core, ``dcmha.ops.attention``, so a forced
@@ -64,8 +67,7 @@ def _kernel(x, pre, post):
     import torch
 
     from dcmha import ops as dops
-    if x.device.type != "cpu" or not (pre or post) or not (
-            pre.keys() <= dops.LOW_RANK_TERMS and post.keys() <= dops.LOW_RANK_TERMS):
+    if x.device.type != "cpu" or not dops.kernel_stages(pre, post):
         return None
     if torch.is_grad_enabled() and (x.requires_grad or any(
             w.requires_grad for w in (*pre.values(), *post.values()))):
@@ -99,7 +101,8 @@ def _one_query(call):
     lib = _kernel(x, pre, post)
     if lib is not None:          # both composes and the masked softmax in one kernel call
         contiguous = lambda terms: {n: w.contiguous() for n, w in terms.items()}  # noqa: E731
-        p = cpu_kernel.decode_probs(lib, x.contiguous(), torch.empty((B, G, M, S), dtype=torch.float32),
+        p = cpu_kernel.decode_probs(lib, x.contiguous(),
+                                    torch.empty((B, G, M, S), dtype=torch.float32),
                                     None if vis is None else vis.contiguous(),
                                     contiguous(pre), contiguous(post), spec_terms.MASKED_SCORE)
     else:
