@@ -71,6 +71,10 @@ class KernelPath:
                 self._state["handle"], self._state["reason"] = self._build()
             return self._state["handle"] is not None
 
+    def handle(self):
+        """What ``build()`` made (e.g. the loaded op module), or None when unavailable."""
+        return self._state.get("handle") if self.load() else None
+
     def unavailable_reason(self) -> Optional[str]:
         """Why ``load()`` is False (None when the kernel is ready)."""
         if cpu_kernel.disabled():

@@ -117,7 +117,7 @@ _CC = ("CC", "C", ("cc", "gcc", "clang"))
 _CXX = ("CXX", "C++", ("c++", "g++", "clang++"))
 _KERNEL_SYMBOLS = ("dcmha_compose_forward", "dcmha_compose_backward", "dcmha_fill_args",
                    "dcmha_cached_scratch", "dcmha_cached_args", "dcmha_compose_cached",
-                   "dcmha_decode_probs")
+                   "dcmha_decode_probs", "dcmha_dynamic_weights")
 #: The (layout, names) functions of DCMHA_DEFINE_ARGS_LAYOUT: the C kernel's, a C++ wrapper's.
 _C_LAYOUT = ("dcmha_args_layout", "dcmha_args_names")
 _CXX_LAYOUT = ("dcmha_cxx_args_layout", "dcmha_cxx_args_names")
@@ -635,6 +635,9 @@ def load():
                 lib.dcmha_decode_probs.argtypes = ([i64] * 4 + [ptr] * 3 + [i64] * 3
                                                    + [ctypes.c_float] + stage + stage)
                 lib.dcmha_decode_probs.restype = ctypes.c_int
+                lib.dcmha_dynamic_weights.argtypes = ([i64] * 6 + [ptr] * 4 + [ctypes.c_int]
+                                                      + [ctypes.c_float] + [ptr] * 3)
+                lib.dcmha_dynamic_weights.restype = ctypes.c_int
             _STATE["lib"], _STATE["reason"] = lib, reason
         return _STATE["lib"]
 
@@ -736,6 +739,18 @@ def decode_probs(lib, x, p, mask, pre, post, masked):
                               *_stage_args(pre), *_stage_args(post)):
         raise MemoryError("dcmha C kernel: out of memory for its scratch buffer")
     return p
+
+
+def dynamic_weights(lib, x, dw1, qkw, dd, w1, w2, g, *, GC, K, M, rank, gelu_approximate,
+                    eps):
+    """``dcmha_dynamic_weights`` of ``csrc/dcmha_args.h`` into w1, w2 (BL, GC, R, M) and g
+    (BL, GC M): x (BL, D), dw1 (D, GC K), qkw (GC, K, 2R, M), dd (D, GC M), every array
+    float32 contiguous; dw1 / qkw / w1 / w2, or dd / g, None where absent."""
+    BL, D = x.shape
+    ptr = lambda a: None if a is None else a.data_ptr()      # noqa: E731
+    if lib.dcmha_dynamic_weights(BL, D, GC, K, rank, M, x.data_ptr(), ptr(dw1), ptr(qkw),
+                                 ptr(dd), int(gelu_approximate), eps, ptr(w1), ptr(w2), ptr(g)):
+        raise MemoryError("dcmha C kernel: out of memory for its scratch buffer")
 
 
 def compose_backward(lib, x, g, dx, st, dst, G, R):

@@ -185,8 +185,11 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
                                          gelu_approximate=gelu_approximate)
         unstack = lambda a: a.unbind(3)                                 # noqa: E731
     else:
-        stacked = _dynamic_weights_stacked(x, dw1, qkw, dd, C=len(slots), rank=rank,
-                                           gelu_approximate=gelu_approximate)
+        stacked = _step_kernel_dynamic_weights(x, *weights, C=len(slots), rank=rank,
+                                               gelu_approximate=gelu_approximate)
+        if stacked is None:
+            stacked = plain_dynamic_weights(x, dw1, qkw, dd, C=len(slots), rank=rank,
+                                            gelu_approximate=gelu_approximate)
         unstack = lambda a: ops.unstack(a, len(slots), axis=3)          # noqa: E731
     out = {s: {} for s in slots}
     for name, a in stacked.items():          # the C axis (3) split into one array per slot
@@ -195,7 +198,7 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
     return out
 
 
-def _dynamic_weights_stacked(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
+def plain_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
     """``dynamic_weights`` before the split into slots, with ``keras.ops``:
     {"w1", "w2": (B, L, G, C, R, M), "dd": (B, L, G, C, M)} (those present)."""
     x = as_dtype(x, "float32")
@@ -219,7 +222,7 @@ _SMALL_PRODUCT = 1 << 16
 
 
 def _dynamic_weights_torch(torch, x, dw1, qkw, dd, *, C, rank, gelu_approximate):
-    """``_dynamic_weights_stacked`` in eager PyTorch (the RMS norm of w1 written out:
+    """``plain_dynamic_weights`` in eager PyTorch (the RMS norm of w1 written out:
     ``rms_normalize`` is ``keras.ops``): the same arithmetic as two matmuls with x
     and, for qkw, a broadcast product when it is small (a decoding step) or a bmm (a
     ``keras.ops.einsum`` costs about five times a small ``torch.matmul`` here, and a
@@ -228,6 +231,11 @@ def _dynamic_weights_torch(torch, x, dw1, qkw, dd, *, C, rank, gelu_approximate)
     worth it while small)."""
     B, L, D = x.shape
     x2 = x.to(torch.float32).reshape(B * L, D)
+    fast = _step_dynamic_weights("torch")
+    out = None if fast is None else fast(x2, dw1, qkw, dd, C=C, rank=rank,
+                                         gelu_approximate=gelu_approximate, eps=W1_NORM_EPS)
+    if out is not None:                      # (B L, G, C, ...) -> (B, L, G, C, ...)
+        return {n: a.reshape(B, L, *a.shape[1:]) for n, a in out.items()}
     out = {}
     if dw1 is not None:
         G, K = dw1.shape[1], dw1.shape[3]
@@ -249,6 +257,46 @@ def _dynamic_weights_torch(torch, x, dw1, qkw, dd, *, C, rank, gelu_approximate)
         g = torch.tanh(x2 @ dd.to(torch.float32).reshape(D, G * CM))
         out["dd"] = g.reshape(B, L, G, C, CM // C)
     return out
+
+
+#: The implementation whose module may provide ``dynamic_weights`` (a compiled kernel for a
+#: decoding step's few rows), per Keras backend; each function is found once.
+_STEP_DYNAMIC_OWNERS = {"torch": "torch_decode", "tensorflow": "tf_cpu"}
+_STEP_DYNAMIC: dict = {}
+
+
+def _step_dynamic_weights(backend):
+    """``backend``'s kernel for a decoding step's dynamic weights (the module of
+    ``_STEP_DYNAMIC_OWNERS[backend]``, through the registry), or None.
+
+    Its signature: (x2 (BL, D), dw1, qkw, dd, *, C, rank, gelu_approximate, eps) ->
+    ``plain_dynamic_weights``' arrays with (BL,) for (B, L), or None where it cannot run
+    (too many rows, no kernel, a gradient it does not record...)."""
+    if backend not in _STEP_DYNAMIC:
+        from dcmha import registry
+        impl = registry.implementations().get(_STEP_DYNAMIC_OWNERS.get(backend, ""))
+        try:
+            module = impl.load() if impl is not None else None
+        except ImportError:
+            module = None
+        _STEP_DYNAMIC[backend] = getattr(module, "dynamic_weights", None)
+    return _STEP_DYNAMIC[backend]
+
+
+def _step_kernel_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
+    """``plain_dynamic_weights``' result from TensorFlow's step kernel when it takes x (B, L,
+    D) (its sizes known), else None (eager PyTorch calls its kernel in
+    ``_dynamic_weights_torch``; other backends have none)."""
+    if keras.backend.backend() != "tensorflow":
+        return None
+    fast = _step_dynamic_weights("tensorflow")
+    B, L, D = _shape(x)
+    if fast is None or B is None or L is None or D is None:
+        return None
+    out = fast(ops.reshape(x, (B * L, D)), dw1, qkw, dd, C=C, rank=rank,
+               gelu_approximate=gelu_approximate, eps=W1_NORM_EPS)
+    return None if out is None else {n: ops.reshape(a, (B, L, *a.shape[1:]))
+                                     for n, a in out.items()}
 
 
 def _check_dynamic_args(x, dw1, qkw, dd, slots, rank):

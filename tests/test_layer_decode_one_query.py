@@ -313,3 +313,96 @@ def test_torch_decode_records_gradients_without_the_kernel(reference_case, monke
         o_kernel = dops.dcmha_attention(*args, pre=pre, **kw)
     assert len(ran) == 1
     assert_close(o.detach(), np_(o_kernel))
+
+
+def _dynamic_kernel_spy(monkeypatch):
+    """(rows limit, list): the backend's step kernel for dynamic weights, spied (the list
+    gets one entry per step it computes); a skip where there is none."""
+    ran = []
+    if BACKEND == "torch":
+        from dcmha.backends import cpu_kernel
+        from dcmha.backends.torch_native import decode as owner
+        if cpu_kernel.load() is None:
+            pytest.skip(f"no compiled kernel: {cpu_kernel.unavailable_reason()}")
+        inner = cpu_kernel.dynamic_weights
+        monkeypatch.setattr(cpu_kernel, "dynamic_weights",
+                            lambda *a, **k: ran.append(1) or inner(*a, **k))
+    elif BACKEND == "tensorflow":
+        from dcmha.backends.tf_cpu import dcmha_tf_cpu as owner
+        if not owner.load():
+            pytest.skip(f"no compiled kernel: {owner.unavailable_reason()}")
+        inner = owner.dynamic_weights
+
+        def spy(*a, **k):
+            out = inner(*a, **k)
+            if out is not None:
+                ran.append(1)
+            return out
+        monkeypatch.setattr(owner, "dynamic_weights", spy)
+    else:
+        pytest.skip("no step kernel for the dynamic weights on this backend")
+    return owner.KERNEL_ROWS, ran
+
+
+@pytest.mark.parametrize("parts", ["both", "projection", "gating"])
+@pytest.mark.parametrize("approximate", [True, False])
+def test_step_dynamic_weights_in_the_kernel(monkeypatch, parts, approximate):
+    """A decoding step's dynamic weights (one row) come from the compiled kernel on eager
+    torch and on tensorflow, at the spec's numbers, for both GELU forms, and differentiate
+    as the plain form; more than ``KERNEL_ROWS`` rows (and, on torch, weights that record
+    gradients) take the framework's ops, at the same numbers."""
+    rows_limit, ran = _dynamic_kernel_spy(monkeypatch)
+    rng = np.random.default_rng(7)
+    D, G, K, R, M = 24, 2, 6, 2, 3
+    slots = ("pre_query", "pre_key", "post_query")
+    C = len(slots)
+    f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)      # noqa: E731
+    dw1, qkw = (f32(D, G, C, K), f32(G, C, K, 2 * R, M)) if parts != "gating" else (None, None)
+    dd = f32(D, G, C * M) if parts != "projection" else None
+    for rows in (1, rows_limit + 1):
+        x = f32(1, rows, D)
+        want = reference.dynamic_weights(x, dw1, qkw, dd, slots, R, approximate)
+        ran.clear()
+        tensors = [None if w is None else ops.convert_to_tensor(w) for w in (x, dw1, qkw, dd)]
+        got = dops.dynamic_weights(*tensors, slots=slots, rank=R, gelu_approximate=approximate)
+        assert len(ran) == (1 if rows == 1 else 0)
+        assert sorted(got) == sorted(want)
+        for s in slots:
+            assert sorted(got[s]) == sorted(want[s])
+            for n in want[s]:
+                assert_close(got[s][n], want[s][n])
+    x = f32(1, 1, D)
+    ups = {s: {n: f32(*w.shape) for n, w in ws.items()}
+           for s, ws in reference.dynamic_weights(x, dw1, qkw, dd, slots, R, approximate).items()}
+    grads = {}
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(dops, "_STEP_DYNAMIC", {BACKEND: None})
+        grads[kernel] = _dynamic_grads(x, dw1, qkw, dd, slots, R, approximate, ups)
+    assert len(ran) == (1 if BACKEND == "tensorflow" else 0)  # torch records them without it
+    for a, b in zip(grads[True], grads[False]):
+        assert_close(a, b)
+
+
+def _dynamic_grads(x, dw1, qkw, dd, slots, R, approximate, ups):
+    """Gradients of sum(w * ups) over every dynamic weight, for x and the present weights."""
+    inputs = [w for w in (x, dw1, qkw, dd) if w is not None]
+    if BACKEND == "torch":
+        import torch
+        ts = [torch.tensor(w, requires_grad=True) for w in inputs]
+        it = iter(ts)
+        args = [next(it) if w is not None else None for w in (x, dw1, qkw, dd)]
+        got = dops.dynamic_weights(*args, slots=slots, rank=R, gelu_approximate=approximate)
+        sum(torch.sum(got[s][n] * torch.tensor(u)) for s, us in ups.items()
+            for n, u in us.items()).backward()
+        return [t.grad.numpy() for t in ts]
+    import tensorflow as tf
+    ts = [tf.constant(w) for w in inputs]
+    with tf.GradientTape() as tape:
+        tape.watch(ts)
+        it = iter(ts)
+        args = [next(it) if w is not None else None for w in (x, dw1, qkw, dd)]
+        got = dops.dynamic_weights(*args, slots=slots, rank=R, gelu_approximate=approximate)
+        loss = tf.add_n([tf.reduce_sum(got[s][n] * u) for s, us in ups.items()
+                         for n, u in us.items()])
+    return [g.numpy() for g in tape.gradient(loss, ts)]

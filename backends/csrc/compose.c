@@ -537,3 +537,58 @@ int dcmha_decode_probs(int64_t B, int64_t G, int64_t M, int64_t S, const float *
     free(tmp);
     return failed;
 }
+
+/* y[j] += sum_d x[d] w[d, j] for one row (j < n; w rows of n floats). */
+static void row_times(const float *x, const float *w, int64_t D, int64_t n, float *y) {
+    for (int64_t d = 0; d < D; d++) {
+        const float xd = x[d], *wd = w + d * n;
+        for (int64_t j = 0; j < n; j++) y[j] += xd * wd[j];
+    }
+}
+
+int dcmha_dynamic_weights(int64_t BL, int64_t D, int64_t GC, int64_t K, int64_t R, int64_t M,
+                          const float *x, const float *dw1, const float *qkw, const float *dd,
+                          int gelu_approximate, float eps, float *w1, float *w2,
+                          float *ddo) {
+    const int64_t RM = R * M;
+    float *h = dw1 ? (float *)malloc(sizeof(float) * (size_t)(GC * K)) : 0;
+    if (dw1 && !h) return 1;
+    for (int64_t i = 0; i < BL; i++) {
+        const float *xi = x + i * D;
+        if (dw1) {
+            memset(h, 0, sizeof(float) * (size_t)(GC * K));
+            row_times(xi, dw1, D, GC * K, h);
+            for (int64_t j = 0; j < GC * K; j++) {
+                const float v = h[j];
+                h[j] = gelu_approximate
+                    ? 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)))
+                    : 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
+            }
+            for (int64_t c = 0; c < GC; c++) {        /* w[c] = h[c] . qkw[c]: (2R, M) */
+                float *o1 = w1 + (i * GC + c) * RM, *o2 = w2 + (i * GC + c) * RM;
+                memset(o1, 0, sizeof(float) * (size_t)RM);
+                memset(o2, 0, sizeof(float) * (size_t)RM);
+                for (int64_t k = 0; k < K; k++) {
+                    const float hk = h[c * K + k];
+                    const float *q = qkw + (c * K + k) * 2 * RM;
+                    for (int64_t j = 0; j < RM; j++) o1[j] += hk * q[j];
+                    for (int64_t j = 0; j < RM; j++) o2[j] += hk * q[RM + j];
+                }
+                for (int64_t r = 0; r < R; r++) {     /* w1 rows over M: RMS-normalised */
+                    float *row = o1 + r * M, sq = 0.0f;
+                    for (int64_t m = 0; m < M; m++) sq += row[m] * row[m];
+                    const float inv = 1.0f / sqrtf(sq / (float)M + eps);
+                    for (int64_t m = 0; m < M; m++) row[m] *= inv;
+                }
+            }
+        }
+        if (dd) {
+            float *g = ddo + i * GC * M;
+            memset(g, 0, sizeof(float) * (size_t)(GC * M));
+            row_times(xi, dd, D, GC * M, g);
+            for (int64_t j = 0; j < GC * M; j++) g[j] = tanhf(g[j]);
+        }
+    }
+    free(h);
+    return 0;
+}

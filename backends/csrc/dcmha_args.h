@@ -102,6 +102,17 @@ DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_decode_probs(
     const float *post_qdd, const float *post_static, const float *post_kw1,
     const float *post_kw2, const float *post_kdd);
 
+/* The dynamic composition weights of BL rows x (BL, D), float32, for the terms present:
+   with dw1 (D, GC K) and qkw (GC, K, 2 R, M), h = gelu(x dw1) (tanh approximation when
+   gelu_approximate, else erf) and w = h . qkw per (row, gc) over K; w1 (BL, GC, R, M) = w's
+   first R rows, each RMS-normalised over M with eps; w2 (BL, GC, R, M) = its last R rows;
+   with dd (D, GC M), ddo (BL, GC M) = tanh(x dd). A NULL dw1 or dd skips its outputs. One
+   thread, for a few rows (a decoding step). 0 on success, 1 when out of memory. */
+DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_dynamic_weights(
+    int64_t BL, int64_t D, int64_t GC, int64_t K, int64_t R, int64_t M, const float *x,
+    const float *dw1, const float *qkw, const float *dd, int gelu_approximate, float eps,
+    float *w1, float *w2, float *ddo);
+
 /* Every field of Args, in declaration order (the loader checks each by name). */
 #define DCMHA_ARGS_FIELDS(F)                                                            \
     F(B) F(t) F(G) F(M) F(R) F(s)                                                       \

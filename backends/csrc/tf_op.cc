@@ -1,7 +1,8 @@
 /* TensorFlow CPU ops around the dcmha compose kernel (loaded by dcmha.backends.tf_cpu with
    tf.load_op_library): DcmhaComposeForward(x, wq, kw1, kw2, kdd; flags) -> out and
    DcmhaComposeBackward(x, g, wq, kw1, kw2, kdd; flags) -> (dx, dwq, dkw1, dkw2, dkdd), the
-   same arrays as the XLA FFI handlers (compose_wrap.h).
+   same arrays as the XLA FFI handlers (compose_wrap.h); and DcmhaDynamicWeights, a decoding
+   step's dynamic weights (dcmha_dynamic_weights).
 
    Compiles on its own with TensorFlow's flags:
    c++ -std=c++17 -w $(python -c 'import tensorflow as tf;
@@ -98,7 +99,67 @@ class DcmhaComposeBackwardOp : public DcmhaComposeOp {
     }
 };
 
+/* A decoding step's dynamic weights (dcmha_dynamic_weights): x (BL, D); dw1 (D, GC K), qkw
+   (GC, K, 2 rank, M) and dd (D, GC M), 1-element dummies where has_projection / has_gating
+   is 0 -> w1, w2 (BL, GC, rank, M) and g (BL, GC, M) (empty where absent). */
+REGISTER_OP("DcmhaDynamicWeights")
+    .Input("x: float").Input("dw1: float").Input("qkw: float").Input("dd: float")
+    .Output("w1: float").Output("w2: float").Output("g: float")
+    .Attr("gc: int").Attr("k: int").Attr("rank: int").Attr("m: int")
+    .Attr("has_projection: int").Attr("has_gating: int").Attr("gelu_approximate: int")
+    .Attr("eps: float")
+    .SetShapeFn([](shape_inference::InferenceContext *c) {
+        int64_t gc, rank, m, proj, gating;
+        TF_RETURN_IF_ERROR(c->GetAttr("gc", &gc));
+        TF_RETURN_IF_ERROR(c->GetAttr("rank", &rank));
+        TF_RETURN_IF_ERROR(c->GetAttr("m", &m));
+        TF_RETURN_IF_ERROR(c->GetAttr("has_projection", &proj));
+        TF_RETURN_IF_ERROR(c->GetAttr("has_gating", &gating));
+        const auto bl = c->Dim(c->input(0), 0);
+        const auto w = c->MakeShape({bl, c->MakeDim(proj ? gc : 0), c->MakeDim(rank),
+                                     c->MakeDim(m)});
+        c->set_output(0, w);
+        c->set_output(1, w);
+        c->set_output(2, c->MakeShape({bl, c->MakeDim(gating ? gc : 0), c->MakeDim(m)}));
+        return absl::OkStatus();
+    });
+
+class DcmhaDynamicWeightsOp : public OpKernel {
+  public:
+    explicit DcmhaDynamicWeightsOp(OpKernelConstruction *c) : OpKernel(c) {
+        for (auto [name, field] : {std::pair{"gc", &gc_}, {"k", &k_}, {"rank", &rank_},
+                                   {"m", &m_}, {"has_projection", &proj_},
+                                   {"has_gating", &gating_}, {"gelu_approximate", &approx_}})
+            OP_REQUIRES_OK(c, c->GetAttr(name, field));
+        OP_REQUIRES_OK(c, c->GetAttr("eps", &eps_));
+    }
+    void Compute(OpKernelContext *c) override {
+        const Tensor &x = c->input(0);
+        OP_REQUIRES(c, x.dims() == 2, errors::InvalidArgument(
+                        "dcmha dynamic weights: x must be (BL, D), got rank ", x.dims()));
+        const int64_t BL = x.dim_size(0), D = x.dim_size(1);
+        Tensor *out[3];
+        const TensorShape w({BL, proj_ ? gc_ : 0, rank_, m_}), g({BL, gating_ ? gc_ : 0, m_});
+        OP_REQUIRES_OK(c, c->allocate_output(0, w, &out[0]));
+        OP_REQUIRES_OK(c, c->allocate_output(1, w, &out[1]));
+        OP_REQUIRES_OK(c, c->allocate_output(2, g, &out[2]));
+        const float *in[3];
+        for (int i = 0; i < 3; i++) in[i] = c->input(i + 1).flat<float>().data();
+        OP_REQUIRES(c, dcmha_dynamic_weights(
+                           BL, D, gc_, k_, rank_, m_, x.flat<float>().data(),
+                           proj_ ? in[0] : nullptr, in[1], gating_ ? in[2] : nullptr,
+                           (int)approx_, eps_, out[0]->flat<float>().data(),
+                           out[1]->flat<float>().data(), out[2]->flat<float>().data()) == 0,
+                    errors::ResourceExhausted("dcmha dynamic weights: out of memory"));
+    }
+
+  private:
+    int64_t gc_, k_, rank_, m_, proj_, gating_, approx_;
+    float eps_;
+};
+
 REGISTER_KERNEL_BUILDER(Name("DcmhaComposeForward").Device(DEVICE_CPU), DcmhaComposeForwardOp);
 REGISTER_KERNEL_BUILDER(Name("DcmhaComposeBackward").Device(DEVICE_CPU), DcmhaComposeBackwardOp);
+REGISTER_KERNEL_BUILDER(Name("DcmhaDynamicWeights").Device(DEVICE_CPU), DcmhaDynamicWeightsOp);
 
 DCMHA_DEFINE_ARGS_LAYOUT(dcmha_cxx_args_layout, dcmha_cxx_args_names)

@@ -18,9 +18,12 @@ import ctypes
 
 import tensorflow as tf
 
+from dcmha import ops as dops
+
 from .. import cpu_blocks, cpu_kernel
 
-__all__ = ["dcmha_attention", "dcmha_attention_reference", "load", "unavailable_reason"]
+__all__ = ["dcmha_attention", "dcmha_attention_reference", "dynamic_weights", "load",
+           "unavailable_reason"]
 
 
 def _recipe():
@@ -63,5 +66,58 @@ _PATH = cpu_blocks.KernelPath(_build, _compose_with)
 #: load() -> bool, unavailable_reason() -> str or None, and
 #: dcmha_attention(q, k, v, **kwargs): ``cpu_blocks.attention`` with this kernel.
 load, unavailable_reason, dcmha_attention = _PATH.load, _PATH.unavailable_reason, _PATH.attention
+#: Rows (B * L, known when traced) up to which ``dynamic_weights`` runs in the kernel (one
+#: thread: a decoding step's one row or a few).
+KERNEL_ROWS = 4
+
+
+def dynamic_weights(x2, dw1, qkw, dd, *, C, rank, gelu_approximate, eps):
+    """``dcmha.ops``' stacked dynamic weights for x2 (BL, D) float32 as one kernel op
+    (``DcmhaDynamicWeights``): {"w1", "w2": (BL, G, C, R, M), "dd": (BL, G, C, M)} (those
+    present), or None where the op cannot run: BL unknown or above ``KERNEL_ROWS``, a trace
+    for XLA (``jit_compile=True``), no kernel. In a graph each op costs about 10 us to
+    dispatch, and the plain form is some 20 ops. Its gradient is the plain form's."""
+    from ..xla.dcmha_xla import in_xla_context
+    BL = x2.shape[0]
+    if BL is None or BL > KERNEL_ROWS or in_xla_context() or not load():
+        return None
+    module = _PATH.handle()
+    if dw1 is not None:
+        G, K, M = dw1.shape[1], dw1.shape[3], qkw.shape[-1]
+    else:
+        G, K, M = dd.shape[1], 1, dd.shape[2] // C
+    weights = [tf.zeros((1,), tf.float32) if w is None else tf.cast(w, tf.float32)
+               for w in (dw1, qkw, dd)]
+
+    @tf.custom_gradient
+    def run(x2, *weights):
+        w1, w2, g = module.dcmha_dynamic_weights(
+            x2, *weights, gc=G * C, k=K, rank=rank, m=M, has_projection=int(dw1 is not None),
+            has_gating=int(dd is not None), gelu_approximate=int(gelu_approximate), eps=eps)
+
+        def grad(*upstream):
+            with tf.GradientTape() as tape:
+                tape.watch([x2, *weights])
+                plain = dops.plain_dynamic_weights(
+                    x2[None], *(w if w_in is not None else None
+                                for w, w_in in zip(weights, (dw1, qkw, dd))),
+                    C=C, rank=rank, gelu_approximate=gelu_approximate)
+                pairs = [(tf.reshape(plain[n][0], tf.shape(u)), u)   # as the op's outputs
+                         for u, n in zip(upstream, ("w1", "w2", "dd")) if n in plain]
+            flat, ups = [p for p, _ in pairs], [u for _, u in pairs]
+            return tape.gradient(flat, [x2, *weights], output_gradients=ups,
+                                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return (w1, w2, g), grad
+
+    w1, w2, g = run(tf.cast(x2, tf.float32), *weights)
+    out = {}
+    if dw1 is not None:
+        out["w1"] = tf.reshape(w1, (BL, G, C, rank, M))
+        out["w2"] = tf.reshape(w2, (BL, G, C, rank, M))
+    if dd is not None:
+        out["dd"] = tf.reshape(g, (BL, G, C, M))
+    return out
+
+
 #: The plain function beside the kernel (no blocks, no kernel; materialising).
 dcmha_attention_reference = cpu_blocks.reference

@@ -61,18 +61,26 @@ def attention(call):
     return _one_query(call), {}
 
 
-def _kernel(x, pre, post):
-    """The compiled kernel (``cpu_kernel``) for a step on the CPU with a compose stage whose
-    terms it computes and no gradient to record, else None (PyTorch ops run)."""
+def _kernel_for(*arrays):
+    """The compiled kernel (``cpu_kernel``) when PyTorch runs these arrays eagerly on the
+    CPU and records no gradient for them, else None. A call through ctypes is invisible to
+    a trace (``torch.jit.trace``, ``torch.compile``, an exporter): a traced graph would keep
+    the empty output buffer and not the kernel that fills it."""
     import torch
-
-    from dcmha import ops as dops
-    if x.device.type != "cpu" or not dops.kernel_stages(pre, post):
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or any(
-            w.requires_grad for w in (*pre.values(), *post.values()))):
+    if (torch.jit.is_tracing() or torch.compiler.is_compiling()
+            or any(a.device.type != "cpu" for a in arrays)
+            or (torch.is_grad_enabled() and any(a.requires_grad for a in arrays))):
         return None
     return cpu_kernel.load()
+
+
+def _kernel(x, pre, post):
+    """The compiled kernel for a step with a compose stage whose terms it computes
+    (``_kernel_for``'s rules), else None (PyTorch ops run)."""
+    from dcmha import ops as dops
+    if not dops.kernel_stages(pre, post):
+        return None
+    return _kernel_for(x, *pre.values(), *post.values())
 
 
 def _one_query(call):
@@ -117,3 +125,40 @@ def _one_query(call):
     if vis is not None:                  # a query that sees no key outputs 0
         o = o * vis.any(dim=-1).to(torch.float32)[:, :, None, None]
     return o
+
+
+#: Rows (B * L) up to which ``dynamic_weights`` runs in the kernel (one thread: a decoding
+#: step's one row or a few; PyTorch's threaded products win beyond).
+KERNEL_ROWS = 4
+
+
+def dynamic_weights(x2, dw1, qkw, dd, *, C, rank, gelu_approximate, eps):
+    """``dcmha.ops``' stacked dynamic weights for x2 (BL, D) by the compiled kernel
+    (``cpu_kernel.dynamic_weights``): {"w1", "w2": (BL, G, C, R, M), "dd": (BL, G, C, M)}
+    (those present), or None when the kernel cannot run it (more than ``KERNEL_ROWS`` rows,
+    not on the CPU, a gradient to record, or no kernel). ``dcmha.ops`` calls it for eager
+    PyTorch: a small matrix-vector product enters an OpenMP parallel region, which costs
+    more than the kernel's whole computation for a decoding step."""
+    import torch
+
+    lib = None if x2.shape[0] > KERNEL_ROWS else _kernel_for(
+        *(w for w in (x2, dw1, qkw, dd) if w is not None))
+    if lib is None:
+        return None
+    BL, D = x2.shape
+    f32 = lambda w: None if w is None else w.to(torch.float32).contiguous()   # noqa: E731
+    if dw1 is not None:
+        G, K, M = dw1.shape[1], dw1.shape[3], qkw.shape[-1]
+    else:
+        G, K, M = dd.shape[1], 1, dd.shape[2] // C
+    out = {}
+    w1 = w2 = g = None
+    if dw1 is not None:
+        w1 = out["w1"] = torch.empty((BL, G, C, rank, M), dtype=torch.float32)
+        w2 = out["w2"] = torch.empty((BL, G, C, rank, M), dtype=torch.float32)
+    if dd is not None:
+        g = out["dd"] = torch.empty((BL, G, C, M), dtype=torch.float32)
+    cpu_kernel.dynamic_weights(lib, f32(x2), f32(dw1), f32(qkw), f32(dd), w1, w2, g,
+                               GC=G * C, K=K, M=M, rank=rank,
+                               gelu_approximate=gelu_approximate, eps=eps)
+    return out
