@@ -656,7 +656,8 @@ class DCFormerLM(keras.Model):
         """(tokens, cache, index) -> (last logits (B, V) float32, cache), compiled
         where that pays: one XLA program on jax (the cache argument donated), a
         tf.function on tensorflow (one for the prompt, one for one-token steps).
-        The index is a tensor there, so that every step has the same shapes."""
+        The index is a tensor there, so that every step has the same shapes. On
+        torch the step runs eagerly under ``torch.no_grad()``."""
         backend = keras.backend.backend()
         if backend == "jax":
             # The jitted step is kept (compiled once per shape); the variable
@@ -701,6 +702,16 @@ class DCFormerLM(keras.Model):
             logits, cache = self.call_with_cache(tokens, cache, index)
             return last(logits), cache
 
+        if backend == "torch":
+            import torch
+
+            def no_grad_step(tokens, cache, index):
+                # Generation records no gradient: without this every eager op of a step
+                # would build autograd state (and the compiled kernels, which record
+                # none, would be passed over).
+                with torch.no_grad():
+                    return step(tokens, cache, index)
+            return no_grad_step
         return step
 
     def generate(self, token_ids, max_new_tokens, temperature=0.0, seed=None):

@@ -35,3 +35,25 @@ def test_generate_steps_use_the_one_query_path(one_query_calls):  # noqa: F811
     logits = np.asarray(ops.convert_to_numpy(lm(ops.convert_to_tensor(ids[:, :-1]))))
     np.testing.assert_array_equal(ids[:, 5:], np.argmax(logits[:, 4:], axis=-1))
     np.testing.assert_array_equal(lm.generate(prompt, NEW), ids)      # a fresh cache each call
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch's eager steps")
+def test_torch_generate_steps_record_no_gradient(monkeypatch):
+    """generate's eager torch steps run under torch.no_grad(): no autograd state is built
+    (and the compiled decode kernels, which record none, are taken)."""
+    import torch
+
+    keras.utils.set_random_seed(0)
+    lm = DCFormerLM(vocab_size=32, num_layers=LAYERS, hidden_dim=16, num_heads=4,
+                    intermediate_dim=32)
+    lm.build((1, None))
+    assert torch.is_grad_enabled()
+    seen = []
+    inner = lm.call_with_cache
+    monkeypatch.setattr(lm, "call_with_cache", lambda *a: seen.append(
+        torch.is_grad_enabled()) or inner(*a))
+    step = lm._decode_function()
+    last, cache = step(ops.convert_to_tensor(np.zeros((1, 3), "int32")), lm.init_cache(1, 8), 0)
+    assert seen == [False] and torch.is_grad_enabled()
+    assert not last.requires_grad
+    assert not any(v.requires_grad for v in keras.tree.flatten(cache))
