@@ -101,7 +101,8 @@ import warnings
 from typing import Optional
 
 __all__ = ["load", "unavailable_reason", "compose_forward", "compose_backward",
-           "decode_probs", "cached_flags", "CACHED_TERMS", "disabled",
+           "decode_probs", "dynamic_weights", "dynamic_sizes", "DYNAMIC_ROWS", "cached_flags",
+           "CACHED_TERMS", "disabled",
            "KernelWarning", "Recipe", "Plan", "compose_recipe", "ffi_recipe", "tf_recipe",
            "ort_recipe", "plan", "build_library", "check_library", "fallback", "cache_dir",
            "CSRC"]
@@ -739,6 +740,18 @@ def decode_probs(lib, x, p, mask, pre, post, masked):
                               *_stage_args(pre), *_stage_args(post)):
         raise MemoryError("dcmha C kernel: out of memory for its scratch buffer")
     return p
+
+
+#: Rows (B * L) up to which a framework takes ``dynamic_weights`` (one thread: a decoding
+#: step's one row or a few; the frameworks' threaded products win beyond).
+DYNAMIC_ROWS = 4
+
+
+def dynamic_sizes(dw1, qkw, dd, C):
+    """(G, K, M) of the dynamic-weight arrays (K = 1 without a projection)."""
+    if dw1 is not None:
+        return dw1.shape[1], dw1.shape[3], qkw.shape[-1]
+    return dd.shape[1], 1, dd.shape[2] // C
 
 
 def dynamic_weights(lib, x, dw1, qkw, dd, w1, w2, g, *, GC, K, M, rank, gelu_approximate,

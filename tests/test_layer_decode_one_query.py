@@ -318,10 +318,9 @@ def test_torch_decode_records_gradients_without_the_kernel(reference_case, monke
 def _dynamic_kernel_spy(monkeypatch):
     """(rows limit, list): the backend's step kernel for dynamic weights, spied (the list
     gets one entry per step it computes); a skip where there is none."""
+    from dcmha.backends import cpu_kernel
     ran = []
     if BACKEND == "torch":
-        from dcmha.backends import cpu_kernel
-        from dcmha.backends.torch_native import decode as owner
         if cpu_kernel.load() is None:
             pytest.skip(f"no compiled kernel: {cpu_kernel.unavailable_reason()}")
         inner = cpu_kernel.dynamic_weights
@@ -341,7 +340,7 @@ def _dynamic_kernel_spy(monkeypatch):
         monkeypatch.setattr(owner, "dynamic_weights", spy)
     else:
         pytest.skip("no step kernel for the dynamic weights on this backend")
-    return owner.KERNEL_ROWS, ran
+    return cpu_kernel.DYNAMIC_ROWS, ran
 
 
 @pytest.mark.parametrize("parts", ["both", "projection", "gating"])
@@ -349,7 +348,7 @@ def _dynamic_kernel_spy(monkeypatch):
 def test_step_dynamic_weights_in_the_kernel(monkeypatch, parts, approximate):
     """A decoding step's dynamic weights (one row) come from the compiled kernel on eager
     torch and on tensorflow, at the spec's numbers, for both GELU forms, and differentiate
-    as the plain form; more than ``KERNEL_ROWS`` rows (and, on torch, weights that record
+    as the plain form; more than ``cpu_kernel.DYNAMIC_ROWS`` rows (and, on torch, weights that record
     gradients) take the framework's ops, at the same numbers."""
     rows_limit, ran = _dynamic_kernel_spy(monkeypatch)
     rng = np.random.default_rng(7)

@@ -66,26 +66,18 @@ _PATH = cpu_blocks.KernelPath(_build, _compose_with)
 #: load() -> bool, unavailable_reason() -> str or None, and
 #: dcmha_attention(q, k, v, **kwargs): ``cpu_blocks.attention`` with this kernel.
 load, unavailable_reason, dcmha_attention = _PATH.load, _PATH.unavailable_reason, _PATH.attention
-#: Rows (B * L, known when traced) up to which ``dynamic_weights`` runs in the kernel (one
-#: thread: a decoding step's one row or a few).
-KERNEL_ROWS = 4
-
-
 def dynamic_weights(x2, dw1, qkw, dd, *, C, rank, gelu_approximate, eps):
     """``dcmha.ops``' stacked dynamic weights for x2 (BL, D) float32 as one kernel op
     (``DcmhaDynamicWeights``): {"w1", "w2": (BL, G, C, R, M), "dd": (BL, G, C, M)} (those
-    present), or None where the op cannot run: BL unknown or above ``KERNEL_ROWS``, a trace
+    present), or None where the op cannot run: BL unknown or above ``cpu_kernel.DYNAMIC_ROWS``, a trace
     for XLA (``jit_compile=True``), no kernel. In a graph each op costs about 10 us to
     dispatch, and the plain form is some 20 ops. Its gradient is the plain form's."""
     from ..xla.dcmha_xla import in_xla_context
     BL = x2.shape[0]
-    if BL is None or BL > KERNEL_ROWS or in_xla_context() or not load():
+    if BL is None or BL > cpu_kernel.DYNAMIC_ROWS or in_xla_context() or not load():
         return None
     module = _PATH.handle()
-    if dw1 is not None:
-        G, K, M = dw1.shape[1], dw1.shape[3], qkw.shape[-1]
-    else:
-        G, K, M = dd.shape[1], 1, dd.shape[2] // C
+    G, K, M = cpu_kernel.dynamic_sizes(dw1, qkw, dd, C)
     weights = [tf.zeros((1,), tf.float32) if w is None else tf.cast(w, tf.float32)
                for w in (dw1, qkw, dd)]
 

@@ -127,30 +127,22 @@ def _one_query(call):
     return o
 
 
-#: Rows (B * L) up to which ``dynamic_weights`` runs in the kernel (one thread: a decoding
-#: step's one row or a few; PyTorch's threaded products win beyond).
-KERNEL_ROWS = 4
-
-
 def dynamic_weights(x2, dw1, qkw, dd, *, C, rank, gelu_approximate, eps):
     """``dcmha.ops``' stacked dynamic weights for x2 (BL, D) by the compiled kernel
     (``cpu_kernel.dynamic_weights``): {"w1", "w2": (BL, G, C, R, M), "dd": (BL, G, C, M)}
-    (those present), or None when the kernel cannot run it (more than ``KERNEL_ROWS`` rows,
+    (those present), or None when the kernel cannot run it (more than ``cpu_kernel.DYNAMIC_ROWS`` rows,
     not on the CPU, a gradient to record, or no kernel). ``dcmha.ops`` calls it for eager
     PyTorch: a small matrix-vector product enters an OpenMP parallel region, which costs
     more than the kernel's whole computation for a decoding step."""
     import torch
 
-    lib = None if x2.shape[0] > KERNEL_ROWS else _kernel_for(
+    lib = None if x2.shape[0] > cpu_kernel.DYNAMIC_ROWS else _kernel_for(
         *(w for w in (x2, dw1, qkw, dd) if w is not None))
     if lib is None:
         return None
     BL, D = x2.shape
     f32 = lambda w: None if w is None else w.to(torch.float32).contiguous()   # noqa: E731
-    if dw1 is not None:
-        G, K, M = dw1.shape[1], dw1.shape[3], qkw.shape[-1]
-    else:
-        G, K, M = dd.shape[1], 1, dd.shape[2] // C
+    G, K, M = cpu_kernel.dynamic_sizes(dw1, qkw, dd, C)
     out = {}
     w1 = w2 = g = None
     if dw1 is not None:
