@@ -20,6 +20,8 @@ import math
 import shutil
 import subprocess
 import sys
+import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -277,6 +279,86 @@ def test_no_grad_and_inference_mode():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _in_a_new_thread(fn):
+    """fn() run by a new thread (whose per-thread block buffers start empty); its result."""
+    out = {}
+
+    def target():
+        try:
+            out["result"] = fn()
+        except BaseException as e:          # re-raised in the caller
+            out["error"] = e
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("modes", [("inference_mode", "no_grad", "grad"),
+                                   ("no_grad", "inference_mode", "grad"),
+                                   ("grad", "inference_mode", "no_grad")])
+def test_grad_modes_in_any_order_reuse_the_block_buffers(monkeypatch, workers, modes):
+    """Every thread keeps its block buffers across calls (``_Workspace``) whatever the grad
+    mode of each call: a buffer allocated under ``torch.inference_mode`` must not be an
+    inference tensor, which a later call outside inference mode could not update in place
+    ("Inplace update to inference tensor outside InferenceMode"). In a test run, which thread
+    first allocates a buffer, in which mode, depends on the earlier tests and on which thread
+    takes which block; here it is fixed: a new calling thread and a new pool, and every
+    thread runs a block of the first call, so every buffer is allocated in the first mode."""
+    p = make_problem(18, T=16, S=16, scores_grad=False)
+    leaves, stages = torch_inputs(p, "float32")
+    detached = {n: x.detach() for n, x in leaves.items()}
+    kw = dict(num_groups=p["G"], block_q=2)       # 8 blocks of one size (not causal)
+    do = torch.tensor(p["do"], dtype=torch.float32)
+
+    def call(mode):
+        if mode == "grad":
+            o = tn.dcmha_attention(leaves["q"], leaves["k"], leaves["v"], pre=stages["pre"],
+                                   post=stages["post"], **kw)
+            grads = torch.autograd.grad((o * do).sum(), list(leaves.values()))
+            assert all(torch.isfinite(g).all() for g in grads)
+            return o.detach()
+        with torch.inference_mode() if mode == "inference_mode" else torch.no_grad():
+            return tn.dcmha_attention(
+                detached["q"], detached["k"], detached["v"],
+                pre={n: detached[f"pre/{n}"] for n in stages["pre"]},
+                post={n: detached[f"post/{n}"] for n in stages["post"]}, **kw)
+
+    barrier = threading.Barrier(workers, timeout=60)
+    started = set()
+    scores = dcmha_torch._scores
+
+    def first_block_waits(*args):      # every thread runs one block of the first call
+        if threading.get_ident() not in started:
+            started.add(threading.get_ident())
+            barrier.wait()
+        return scores(*args)
+
+    def calls():
+        previous = torch.get_num_threads()
+        torch.set_num_threads(max(previous, workers))
+        try:
+            return [call(mode) for mode in modes]
+        finally:
+            torch.set_num_threads(previous)
+
+    monkeypatch.setattr(dcmha_torch, "_scores", first_block_waits)
+    monkeypatch.setattr(dcmha_torch, "_MAX_WORKERS", workers)
+    monkeypatch.setattr(dcmha_torch, "_POOL", None)              # new worker threads
+    try:
+        results = _in_a_new_thread(calls)
+    finally:
+        if dcmha_torch._POOL is not None:
+            dcmha_torch._POOL[1].shutdown()
+    assert len(started) == workers                  # the new thread and the pool's
+    for o in results[1:]:
+        torch.testing.assert_close(o, results[0], rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------
 # Dtypes
 # ---------------------------------------------------------------------------
@@ -494,18 +576,24 @@ def test_layer_decode_with_cache_matches_ops(reference_case):
     torch.testing.assert_close(outs["torch"], outs["ops"], rtol=1e-5, atol=1e-5)
 
 
-def test_layer_auto_takes_the_torch_path_for_large_problems(monkeypatch):
+@pytest.fixture
+def taken(monkeypatch):
+    """The names of the implementations ``dcmha.ops.select_implementation`` picks, in order."""
     from dcmha import ops as dops
-    from dcmha.layers import DCMHA
-    taken = []
+    names = []
     real = dops.select_implementation
 
     def spy(implementation, call):
         name, fn = real(implementation, call)
-        taken.append(name)
+        names.append(name)
         return name, fn
 
     monkeypatch.setattr(dops, "select_implementation", spy)
+    return names
+
+
+def test_layer_auto_takes_the_torch_path_for_large_problems(taken):
+    from dcmha.layers import DCMHA
     layer = DCMHA(num_heads=2, key_dim=4)
     x = np.random.default_rng(1).normal(size=(1, 96, 8)).astype("float32")
     layer(x, x, use_causal_mask=True)
@@ -515,6 +603,51 @@ def test_layer_auto_takes_the_torch_path_for_large_problems(monkeypatch):
     layer = DCMHA(num_heads=2, key_dim=4, dropout=0.5, seed=1)
     layer(x, x, training=True)
     assert taken[-1] == "ops"
+
+
+def test_a_torchscript_trace_never_keeps_the_kernels_empty_buffer(taken):
+    """The compiled kernel fills a preallocated buffer through ctypes, which a trace cannot
+    record. No TorchScript trace keeps that buffer: ``"auto"`` takes the "ops" core for a
+    traced call (its sizes are unknown), a forced ``"torch"`` refuses it, and the block
+    Function itself is one node of a trace, which runs it again eagerly. Each traced function
+    on new inputs gives the eager result."""
+    from dcmha import ops as dops
+    rng = np.random.default_rng(19)
+    B, T, N, d = 1, 128, 4, 8                   # T * S = 16384: eager "auto" takes "torch"
+
+    def inputs():
+        t = lambda *s: torch.tensor(rng.normal(size=s), dtype=torch.float32)  # noqa: E731
+        return t(B, T, N, d), t(B, T, N, d), t(B, T, N, d), t(B, T, 1, N)
+
+    def trace(fn, example):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")       # the tracer's notes on Python values
+            return torch.jit.trace(fn, example, check_trace=False)
+
+    def layer_core(implementation):
+        def fn(q, k, v, kdd):
+            return dops.dcmha_attention(q, k, v, num_groups=1, pre={"kdd": kdd},
+                                        use_causal_mask=True, implementation=implementation)[0]
+        return fn
+
+    example, new = inputs(), inputs()
+    auto = layer_core("auto")
+    want = auto(*new)
+    assert taken[-1] == "torch"
+    traced = trace(auto, example)
+    assert taken[-1] == "ops"
+    torch.testing.assert_close(traced(*new), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="needs static sizes, which are unknown in this traced"):
+        trace(layer_core("torch"), example)
+    # The Function in a trace, as if its sizes were known: one node, run again eagerly.
+    _, pb = dcmha_torch._check(*example[:3], 1, {"kdd": example[3]}, None, None, True, None,
+                               None, 0, None)
+
+    def core(q, k, v, kdd):
+        stages = dcmha_torch._prepare_stage({"kdd": kdd}, pb) + (None,) * 4
+        return dcmha_torch._DCMHAFunction.apply(pb, False, None, q, k, v, *stages)
+
+    torch.testing.assert_close(trace(core, example)(*new), core(*new), rtol=0, atol=0)
 
 
 def test_meta_tensors_give_the_plain_core_shapes():

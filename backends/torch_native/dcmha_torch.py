@@ -256,6 +256,11 @@ class _Workspace:
     page fault per 4 KiB on CPU (tens of thousands per call) and cold caches.
     ``take`` returns a contiguous view of a cached flat buffer (grown on
     demand); a name is reused only once its previous view is dead.
+
+    The buffers are normal tensors whatever the grad mode of the call that
+    allocates them: one allocated under ``torch.inference_mode`` would be an
+    inference tensor, which a later call outside inference mode (on whichever
+    thread runs its blocks) could not update in place.
     """
 
     _local = threading.local()
@@ -276,7 +281,8 @@ class _Workspace:
         buf = self.cache.get(key)
         if buf is None or buf.numel() < n:
             old = 0 if buf is None else buf.numel()
-            buf = torch.empty(max(n, 1), dtype=torch.float32, device=self.device)
+            with torch.inference_mode(False):     # a normal tensor (see the class doc)
+                buf = torch.empty(max(n, 1), dtype=torch.float32, device=self.device)
             kept = sum(b.numel() for b in self.cache.values()) - old
             if kept + n <= self._MAX_CACHED:
                 self.cache[key] = buf
