@@ -11,8 +11,8 @@ peak allocation on CUDA.
 
 On CUDA it also times the attention cores alone (the fused kernel of the
 backend vs PyTorch SDPA with the flash kernel, or
-``jax.nn.dot_product_attention(implementation="cudnn")``) at B=4, T=4096, N=32,
-d=128, bfloat16, causal, and reports TFLOP/s counted as for plain causal
+``jax.nn.dot_product_attention(implementation="cudnn")``) at B=4, T=4096 (``--core-length``),
+N=32, d=128, bfloat16, causal, for each tile size of ``--core-blocks``, and reports TFLOP/s counted as for plain causal
 attention (forward 2 * 2 * B * N * T^2 * d / 2 FLOPs, forward + backward 3.5x
 that), so the figures compare directly with FlashAttention's.
 
@@ -212,7 +212,8 @@ def gpu_core_section(args) -> dict:
     import keras
 
     backend = keras.backend.backend()
-    B, T, N, d, G, R = 4, 4096, 32, 128, args.groups, 2
+    B, T, N, d, G, R = 4, args.core_length, 32, 128, args.groups, 2
+    blocks = [tuple(int(n) for n in b.split("x")) for b in args.core_blocks.split(",")]
     M = N // G
     flops_fwd = 2 * 2 * B * N * T * T * d / 2
     rng = np.random.default_rng(0)
@@ -237,9 +238,9 @@ def gpu_core_section(args) -> dict:
         post = {n: torch.tensor(w, device=dev) for n, w in terms.items()}
         sync = lambda _: torch.cuda.synchronize()  # noqa: E731
 
-        def fused():
-            return dtriton.dcmha_attention(q, k, v, num_groups=G, pre=pre, post=post,
-                                           causal=True)
+        def fused(bq, bk):
+            return lambda: dtriton.dcmha_attention(q, k, v, num_groups=G, pre=pre, post=post,
+                                                   causal=True, block_q=bq, block_k=bk)
 
         def sdpa():
             from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -253,9 +254,11 @@ def gpu_core_section(args) -> dict:
                 out.float().square().mean().backward()
                 return out
             return step
-        for name, fn in (("dcmha_triton", fused), ("sdpa_flash", sdpa)):
-            rows[name] = {"forward_s": _median_time(fn, sync, args.repeats),
-                          "train_s": _median_time(train(fn), sync, args.repeats)}
+        candidates = [(f"dcmha_triton {bq}x{bk}", fused(bq, bk)) for bq, bk in blocks]
+        for name, fn in candidates + [("sdpa_flash", sdpa)]:
+            rows[name] = _timed_or_error(lambda fn=fn: {
+                "forward_s": _median_time(fn, sync, args.repeats),
+                "train_s": _median_time(train(fn), sync, args.repeats)})
     elif backend == "jax":
         import jax
         import jax.numpy as jnp
@@ -266,8 +269,10 @@ def gpu_core_section(args) -> dict:
         post = dict(pre)
         sync = jax.block_until_ready
 
-        fused = jax.jit(lambda q, k, v: dpallas.dcmha_attention(q, k, v, num_groups=G, pre=pre,
-                                                                post=post, causal=True))
+        def fused(bq, bk):
+            return jax.jit(lambda q, k, v: dpallas.dcmha_attention(
+                q, k, v, num_groups=G, pre=pre, post=post, causal=True,
+                block_sizes=dpallas.BlockSizes(bq, bk)))
         cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation="cudnn"))
 
@@ -275,21 +280,36 @@ def gpu_core_section(args) -> dict:
             g = jax.jit(jax.grad(lambda q, k, v: jnp.mean(jnp.square(
                 f(q, k, v).astype(jnp.float32))), argnums=(0, 1, 2)))
             return lambda: g(q, k, v)
-        for name, f in (("dcmha_pallas", fused), ("cudnn", cudnn)):
-            rows[name] = {"forward_s": _median_time(lambda f=f: f(q, k, v), sync, args.repeats),
-                          "train_s": _median_time(grad_of(f), sync, args.repeats)}
+        candidates = [(f"dcmha_pallas {bq}x{bk}", fused(bq, bk)) for bq, bk in blocks]
+        for name, f in candidates + [("cudnn", cudnn)]:
+            rows[name] = _timed_or_error(lambda f=f: {
+                "forward_s": _median_time(lambda: f(q, k, v), sync, args.repeats),
+                "train_s": _median_time(grad_of(f), sync, args.repeats)})
     else:
         return {"backend": backend, "skipped": "no fused CUDA kernel for this backend"}
-    for r in rows.values():
+    timed = {n: r for n, r in rows.items() if "error" not in r}
+    for r in timed.values():
         r["forward_tflops"] = flops_fwd / r["forward_s"] / 1e12
         r["train_tflops"] = 3.5 * flops_fwd / r["train_s"] / 1e12
-    fused_name, vendor = list(rows)
-    return {"backend": backend, "B": B, "T": T, "N": N, "d": d, "G": G, "dtype": "bfloat16",
-            "rows": rows,
-            "forward_fraction_of_vendor": rows[fused_name]["forward_tflops"]
-            / rows[vendor]["forward_tflops"],
-            "train_fraction_of_vendor": rows[fused_name]["train_tflops"]
-            / rows[vendor]["train_tflops"]}
+    res = {"backend": backend, "B": B, "T": T, "N": N, "d": d, "G": G, "dtype": "bfloat16",
+           "rows": rows}
+    vendor = list(rows)[-1]
+    fused = [n for n in timed if n != vendor]
+    if fused and vendor in timed:
+        for key in ("forward", "train"):
+            best = max(fused, key=lambda n: timed[n][f"{key}_tflops"])
+            res[f"{key}_fraction_of_vendor"] = (timed[best][f"{key}_tflops"]
+                                                / timed[vendor][f"{key}_tflops"])
+            res[f"{key}_best_blocks"] = best
+    return res
+
+
+def _timed_or_error(measure) -> dict:
+    """``measure()``, or {"error": ...} when a tile size does not compile or run here."""
+    try:
+        return measure()
+    except Exception as e:      # e.g. a tile that needs more shared memory than the GPU has
+        return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"}
 
 
 def main(argv=None) -> int:
@@ -307,7 +327,13 @@ def main(argv=None) -> int:
                     help="also run the GPU kernels in interpret mode off-GPU")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory children")
     ap.add_argument("--gpu-core-only", action="store_true",
-                    help="only the CUDA core comparison (B=4, T=4096, N=32, d=128, bf16)")
+                    help="only the CUDA core comparison (B=4, T=--core-length, N=32, d=128, bf16)")
+    ap.add_argument("--no-gpu-core", action="store_true",
+                    help="on CUDA, skip the core comparison (only the layer section)")
+    ap.add_argument("--core-length", type=int, default=4096,
+                    help="T = S of the CUDA core comparison")
+    ap.add_argument("--core-blocks", default="16x16,32x32,64x64",
+                    help="tile sizes (block_q x block_k) of the fused kernel to time on CUDA")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", default=None)
     ap.add_argument("--_memory-child", dest="_memory_child", default=None,
@@ -324,16 +350,21 @@ def main(argv=None) -> int:
     if not args.gpu_core_only:
         result["layer"] = layer_section(args)
         print_layer_section(result["layer"])
-    if _on_gpu(keras.backend.backend()):
+    if _on_gpu(keras.backend.backend()) and not args.no_gpu_core:
         core = gpu_core_section(args)
         result["gpu_core"] = core
         for name, r in core.get("rows", {}).items():
-            print(f"{name:<14} forward {1e3 * r['forward_s']:8.2f} ms "
+            if "error" in r:
+                print(f"{name:<20} failed: {r['error']}")
+                continue
+            print(f"{name:<20} forward {1e3 * r['forward_s']:8.2f} ms "
                   f"{r['forward_tflops']:6.1f} TFLOP/s   fwd+bwd {1e3 * r['train_s']:8.2f} ms "
                   f"{r['train_tflops']:6.1f} TFLOP/s")
-        if "rows" in core:
-            print(f"fused / vendor throughput: forward {core['forward_fraction_of_vendor']:.0%}, "
-                  f"forward+backward {core['train_fraction_of_vendor']:.0%}")
+        if "forward_fraction_of_vendor" in core:
+            print(f"fused (best tiles) / vendor throughput: forward "
+                  f"{core['forward_fraction_of_vendor']:.0%} ({core['forward_best_blocks']}), "
+                  f"forward+backward {core['train_fraction_of_vendor']:.0%} "
+                  f"({core['train_best_blocks']})")
     elif args.gpu_core_only:
         print("no GPU: the CUDA core comparison needs one")
         return 1

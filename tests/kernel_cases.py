@@ -117,3 +117,62 @@ def assert_close(got, expected, dtype, sigma, what):
         err = np.abs(g - e) - (t["atol"] + t["rtol"] * np.abs(e))
         assert np.all(err <= 0), (f"{what} {name}: max |err| {np.abs(g - e).max():.3g} "
                                   f"exceeds tolerance {t} by {err.max():.3g}")
+
+
+# ---------------------------------------------------------------------------
+# Compiled-kernel (GPU) cases, shared by test_gpu_triton.py and test_gpu_pallas.py
+# ---------------------------------------------------------------------------
+
+#: B=2, T=70, S=90 (whole and partial tiles at 16, 32 and 64), N=6, N_kv=3 (GQA), d=24,
+#: d_v=40 (padded inside the kernels), G=2 (M=3: not a power of two), R=2.
+GPU_SIZES = dict(B=2, T=70, S=90, N=6, N_kv=3, d=24, d_v=40, G=2, R=2)
+
+
+def _general_mask(seed, shape, masked_row=None):
+    mask = np.random.default_rng(seed).random(shape) < 0.8
+    if masked_row is not None:
+        mask[masked_row] = False
+    return mask
+
+
+#: (id, make_problem arguments, mask or None, call arguments, tiles (block_q, block_k[,
+#: block_q_bwd, block_k_bwd]) or None for the kernel's default); ``dtype`` in the problem.
+GPU_CASES = [
+    ("all_terms_mask_window_default_tiles", dict(seed=0),
+     _general_mask(1, (2, 70, 90), (1, 33)), dict(causal=True, sliding_window=41), None),
+    ("all_terms_mask_window_16x16", dict(seed=0),
+     _general_mask(1, (2, 70, 90), (1, 33)), dict(causal=True, sliding_window=41), (16, 16)),
+    ("all_terms_mask_window_32x64_bwd16x32", dict(seed=0),
+     _general_mask(1, (2, 70, 90), (1, 33)), dict(causal=True, sliding_window=41),
+     (32, 64, 16, 32)),
+    ("pre_only", dict(seed=2, post=None), None, dict(causal=True), (32, 32)),
+    ("post_only", dict(seed=2, pre=None), None, dict(causal=True), (32, 32)),
+    ("plain", dict(seed=2, pre=None, post=None), None, dict(causal=True), (32, 32)),
+    ("mixed_terms", dict(seed=2, pre=("qw1", "qw2", "kdd"), post=("kw1", "kw2", "static")),
+     None, dict(causal=True), (64, 16)),
+    ("chunk_offset_padding_mask", dict(seed=3, T=37, S=130, N=4, N_kv=2, G=1, R=1),
+     _general_mask(3, (2, 1, 130)), dict(causal=True, query_offset=93), (16, 32)),
+    ("float16", dict(seed=4, dtype="float16"), None, dict(causal=True), (32, 32)),
+    ("bfloat16", dict(seed=4, dtype="bfloat16"), None, dict(causal=True), (32, 32)),
+    ("d128_T300_bfloat16", dict(seed=5, B=1, T=300, S=300, N=8, N_kv=8, d=128, d_v=128, G=1,
+                                dtype="bfloat16"), None, dict(causal=True), (64, 64)),
+]
+
+
+def check_gpu_case(case, run, *, scores_grad):
+    """Run one ``GPU_CASES`` case through ``run(problem, mask, call_args, tiles)`` (the kernel's
+    output, "attention_scores" and gradients as float64 NumPy, named like ``spec_result``)
+    and check it against the spec (with ``scores_grad`` the scores get a cotangent too): every array within the policy's tolerance, and masked
+    probabilities, fully masked rows' outputs and their query gradients exactly zero."""
+    _, problem_args, mask, call_args, tiles = case
+    problem_args = dict(problem_args)
+    p = make_problem(problem_args.pop("seed"), **{**GPU_SIZES, **problem_args},
+                     scores_grad=scores_grad)
+    full = full_mask(p, mask=mask, **call_args)
+    expected, sigma = spec_result(p, full)
+    got = run(p, mask, call_args, tiles)
+    assert_close(got, expected, p["dtype"], sigma, f"compiled kernel, tiles {tiles}")
+    allowed = np.broadcast_to(full[:, None], got["attention_scores"].shape)
+    assert np.all(got["attention_scores"][~allowed] == 0.0)
+    empty = ~full.any(axis=-1)                                     # (B, T)
+    assert np.all(got["output"][empty] == 0.0) and np.all(got["grad/q"][empty] == 0.0)
