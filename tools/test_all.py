@@ -64,6 +64,9 @@ def steps() -> list:
     for b in ("jax", "torch", "tensorflow"):
         out.append((f"hub-{b}", {"KERAS_BACKEND": b}, _glob("tests/test_hub*.py")))
     out.append(("conformance", {}, None))
+    # Not here: tests/test_gpu_*.py run the compiled Triton / Pallas kernels and need a CUDA
+    # GPU (without one every module skips, and pytest collects nothing);
+    # benchmarks/gpu_check.sh runs them on a GPU machine.
     return [s for s in out if s[2] is None or s[2]]
 
 
