@@ -81,3 +81,20 @@ def call_layer():
         return out
 
     return call
+
+
+@pytest.fixture
+def chosen(monkeypatch):
+    """The names of the implementations ``dcmha.ops.select_implementation`` picks during the
+    test, in call order (a spy: the picks themselves are unchanged)."""
+    from dcmha import ops as dops
+    names = []
+    real = dops.select_implementation
+
+    def spy(implementation, call):
+        name, fn = real(implementation, call)
+        names.append(name)
+        return name, fn
+
+    monkeypatch.setattr(dops, "select_implementation", spy)
+    return names

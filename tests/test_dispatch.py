@@ -126,21 +126,6 @@ def attention_kwargs(p):
                 use_causal_mask=True, sliding_window=3, return_attention_scores=True)
 
 
-@pytest.fixture
-def chosen(monkeypatch):
-    """The names ``select_implementation`` returns during the test, in call order."""
-    names = []
-    real = dops.select_implementation
-
-    def spy(implementation, call):
-        name, fn = real(implementation, call)
-        names.append(name)
-        return name, fn
-
-    monkeypatch.setattr(dops, "select_implementation", spy)
-    return names
-
-
 def make_layers(reference_case, impl, kwargs=LAYER, T=6):
     """(case, {"ops": layer, impl: layer}) sharing the spec weights of one case."""
     case = reference_case(kwargs, B=1, T=T)

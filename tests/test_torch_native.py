@@ -576,36 +576,20 @@ def test_layer_decode_with_cache_matches_ops(reference_case):
     torch.testing.assert_close(outs["torch"], outs["ops"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture
-def taken(monkeypatch):
-    """The names of the implementations ``dcmha.ops.select_implementation`` picks, in order."""
-    from dcmha import ops as dops
-    names = []
-    real = dops.select_implementation
-
-    def spy(implementation, call):
-        name, fn = real(implementation, call)
-        names.append(name)
-        return name, fn
-
-    monkeypatch.setattr(dops, "select_implementation", spy)
-    return names
-
-
-def test_layer_auto_takes_the_torch_path_for_large_problems(taken):
+def test_layer_auto_takes_the_torch_path_for_large_problems(chosen):
     from dcmha.layers import DCMHA
     layer = DCMHA(num_heads=2, key_dim=4)
     x = np.random.default_rng(1).normal(size=(1, 96, 8)).astype("float32")
     layer(x, x, use_causal_mask=True)
     layer(x[:, :8], x[:, :8])
-    assert taken[-2] in ("torch", "triton") and taken[-1] == "ops"
+    assert chosen[-2] in ("torch", "triton") and chosen[-1] == "ops"
     # dropout while training is not supported: auto keeps the ops core
     layer = DCMHA(num_heads=2, key_dim=4, dropout=0.5, seed=1)
     layer(x, x, training=True)
-    assert taken[-1] == "ops"
+    assert chosen[-1] == "ops"
 
 
-def test_a_torchscript_trace_never_keeps_the_kernels_empty_buffer(taken):
+def test_a_torchscript_trace_never_keeps_the_kernels_empty_buffer(chosen):
     """The compiled kernel fills a preallocated buffer through ctypes, which a trace cannot
     record. No TorchScript trace keeps that buffer: ``"auto"`` takes the "ops" core for a
     traced call (its sizes are unknown), a forced ``"torch"`` refuses it, and the block
@@ -633,9 +617,9 @@ def test_a_torchscript_trace_never_keeps_the_kernels_empty_buffer(taken):
     example, new = inputs(), inputs()
     auto = layer_core("auto")
     want = auto(*new)
-    assert taken[-1] == "torch"
+    assert chosen[-1] == "torch"
     traced = trace(auto, example)
-    assert taken[-1] == "ops"
+    assert chosen[-1] == "ops"
     torch.testing.assert_close(traced(*new), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="needs static sizes, which are unknown in this traced"):
         trace(layer_core("torch"), example)
