@@ -138,13 +138,12 @@ def _general_mask(seed, shape, masked_row=None):
 #: (id, make_problem arguments, mask or None, call arguments, tiles (block_q, block_k[,
 #: block_q_bwd, block_k_bwd]) or None for the kernel's default); ``dtype`` in the problem.
 GPU_CASES = [
-    ("all_terms_mask_window_default_tiles", dict(seed=0),
-     _general_mask(1, (2, 70, 90), (1, 33)), dict(causal=True, sliding_window=41), None),
-    ("all_terms_mask_window_16x16", dict(seed=0),
-     _general_mask(1, (2, 70, 90), (1, 33)), dict(causal=True, sliding_window=41), (16, 16)),
-    ("all_terms_mask_window_32x64_bwd16x32", dict(seed=0),
-     _general_mask(1, (2, 70, 90), (1, 33)), dict(causal=True, sliding_window=41),
-     (32, 64, 16, 32)),
+    # every term in both stages, causal + window + a general mask with a fully masked row
+    (f"all_terms_mask_window_{name}", dict(seed=0), _general_mask(1, (2, 70, 90), (1, 33)),
+     dict(causal=True, sliding_window=41), tiles)
+    for name, tiles in (("default_tiles", None), ("16x16", (16, 16)),
+                        ("32x64_bwd16x32", (32, 64, 16, 32)))
+] + [
     ("pre_only", dict(seed=2, post=None), None, dict(causal=True), (32, 32)),
     ("post_only", dict(seed=2, pre=None), None, dict(causal=True), (32, 32)),
     ("plain", dict(seed=2, pre=None, post=None), None, dict(causal=True), (32, 32)),
@@ -162,8 +161,9 @@ GPU_CASES = [
 def check_gpu_case(case, run, *, scores_grad):
     """Run one ``GPU_CASES`` case through ``run(problem, mask, call_args, tiles)`` (the kernel's
     output, "attention_scores" and gradients as float64 NumPy, named like ``spec_result``)
-    and check it against the spec (with ``scores_grad`` the scores get a cotangent too): every array within the policy's tolerance, and masked
-    probabilities, fully masked rows' outputs and their query gradients exactly zero."""
+    and check it against the spec (with ``scores_grad`` the scores get a cotangent too):
+    every array within the policy's tolerance, and masked probabilities, fully masked rows'
+    outputs and their query gradients exactly zero."""
     _, problem_args, mask, call_args, tiles = case
     problem_args = dict(problem_args)
     p = make_problem(problem_args.pop("seed"), **{**GPU_SIZES, **problem_args},
