@@ -169,6 +169,38 @@ def _call_flag(name, value, traced_ok=False):
     raise ValueError(f"`{name}` must be a boolean. Received: {name}={value!r}")
 
 
+def _on_keras_device(*values):
+    """``values`` with every torch tensor among them (and in a cache dict) on Keras's device.
+
+    Torch only: Keras's own layers accept a CPU tensor when the layer's weights live on the
+    GPU (``convert_to_tensor`` moves it); so does DCMHA. The first value (``query``) is
+    converted, which gives the device; the others move only when they are elsewhere, so a
+    call whose tensors are all in place pays a few device comparisons. A value given twice
+    (self-attention's ``query`` and ``key``) stays one object. Other backends place arrays
+    themselves, so their values come back unchanged.
+    """
+    if keras.backend.backend() != "torch":
+        return values
+    import torch
+
+    first = values[0]
+    if not isinstance(first, torch.Tensor):
+        return values
+    converted = ops.convert_to_tensor(first)
+    device = converted.device
+
+    def one(x):
+        if x is first:
+            return converted
+        if isinstance(x, dict):
+            return {k: one(v) for k, v in x.items()}
+        if isinstance(x, torch.Tensor) and x.device != device:
+            return ops.convert_to_tensor(x)
+        return x
+
+    return tuple(one(x) for x in values)
+
+
 def _mask_tensor(mask):
     """``attention_mask`` as a boolean tensor, True (non-zero) = attend; lists are converted."""
     if mask is None:
@@ -1157,6 +1189,9 @@ class DCMHA(keras.layers.Layer):
                  intermediates=False, query_mask=None, value_mask=None, key_mask=None):
         key = value if key is None else key
         self_attention = key is query
+        query, value, key, attention_mask, query_mask, value_mask, key_mask, cache = \
+            _on_keras_device(query, value, key, attention_mask, query_mask, value_mask,
+                             key_mask, cache)
         self._check_inputs(query, value, key)
         causal = _call_flag("use_causal_mask", use_causal_mask, traced_ok=True)
         layout = self._layout

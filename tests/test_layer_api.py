@@ -394,3 +394,48 @@ def test_lazy_package_import():
     assert dcmha.DCMHA is DCMHA
     assert dcmha.ops.dcmha_attention is not None
     assert dcmha.SPEC_VERSION == reference.SPEC_VERSION
+
+
+# ---------------------------------------------------------------------------
+# Inputs on another device than the layer's (torch)
+# ---------------------------------------------------------------------------
+
+_OTHER_DEVICE_CHILD = """
+import json, torch, dcmha
+B, T, D = 2, 6, 32
+out = {}
+for impl in ("auto", "ops"):
+    layer = dcmha.DCMHA(num_heads=4, key_dim=8, seed=0, implementation=impl)
+    x, kv = torch.randn(B, T, D), torch.randn(B, 9, D)          # CPU tensors
+    mask = torch.ones(B, T, T, dtype=torch.bool)
+    y = layer(x, x, attention_mask=mask, use_causal_mask=True, query_mask=mask[:, 0])
+    out[impl + "/self"] = [str(y.device), list(y.shape)]
+    y = layer(x, kv, key=kv, value_mask=torch.ones(B, 9, dtype=torch.bool))
+    out[impl + "/cross"] = [str(y.device), list(y.shape)]
+    cache = {n: torch.zeros(tuple(v.shape)) for n, v in layer.init_cache(B, 8).items()}
+    y, cache = layer(x[:, :1], x[:, :1], cache=cache, cache_update_index=torch.tensor(3))
+    out[impl + "/decode"] = [str(y.device), list(y.shape)] + sorted(
+        {str(v.device) for v in cache.values()})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras moves tensors between devices on torch")
+def test_cpu_tensors_reach_the_layers_device():
+    """Keras's layers accept a CPU tensor when their weights live on another device (a GPU);
+    so does DCMHA, for every tensor argument and a cache's tensors. The layer lives on
+    torch's "meta" device here (``KERAS_TORCH_DEVICE``), which every machine has."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KERAS_BACKEND="torch", KERAS_TORCH_DEVICE="meta")
+    run = subprocess.run([sys.executable, "-c", _OTHER_DEVICE_CHILD], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    for impl in ("auto", "ops"):
+        assert got[impl + "/self"] == ["meta", [2, 6, 32]]
+        assert got[impl + "/cross"] == ["meta", [2, 6, 32]]
+        assert got[impl + "/decode"] == ["meta", [2, 1, 32], "meta"]
