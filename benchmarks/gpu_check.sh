@@ -11,7 +11,10 @@
 # 2. benchmarks/attention.py: the fused cores vs the vendor's flash attention (B=4, T=4096,
 #    N=32, d=128, bfloat16, causal) for several tile sizes, and one layer's forward and
 #    training step ("auto" and "ops" vs keras MultiHeadAttention) with device peak memory.
-# Each step has a time limit; the JSON results go to OUTPUT_DIR. STEPS="torch-core jax-core"
+# Each step has a time limit; the JSON results go to OUTPUT_DIR. Compiling dominates: on an
+# H200 (triton 3.6, jax 0.11.2) each GPU_CASES case took ~37 s under Triton and ~24 s under
+# Pallas, so the two test steps alone need most of a 15-minute device lease; run them in
+# separate leases, or select cases with pytest's -k when rerunning part of them. STEPS="torch-core jax-core"
 # (say) runs only those steps, of: triton-tests pallas-tests torch-core jax-core torch-layer
 # jax-layer.
 set -u
@@ -43,11 +46,11 @@ core="--gpu-core-only --groups 4 --repeats 5 --core-blocks 16x16,32x32,64x32"
 wanted=${STEPS:-"triton-tests pallas-tests torch-core jax-core torch-layer jax-layer"}
 for s in $wanted; do
     case $s in
-        triton-tests) step $s 300 env KERAS_BACKEND=torch "$py" -m pytest $tests \
+        triton-tests) step $s 480 env KERAS_BACKEND=torch "$py" -m pytest $tests \
                           tests/test_gpu_triton.py tests/test_gpu_layer.py ;;
         pallas-tests) step $s 420 env KERAS_BACKEND=jax "$py" -m pytest $tests \
                           tests/test_gpu_pallas.py tests/test_gpu_layer.py ;;
-        torch-core|jax-core) step $s 150 env KERAS_BACKEND=${s%-core} \
+        torch-core|jax-core) step $s 300 env KERAS_BACKEND=${s%-core} \
                           "$py" benchmarks/attention.py $core --json "$out/$s.json" ;;
         torch-layer|jax-layer) step $s 150 env KERAS_BACKEND=${s%-layer} \
                           "$py" benchmarks/attention.py --implementations auto,ops --repeats 5 \

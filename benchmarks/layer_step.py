@@ -33,6 +33,22 @@ import time
 import numpy as np
 
 
+def _torch_input(x):
+    """``x`` as a torch tensor on Keras's device (the GPU where there is one), so that a
+    timed call does not include the copy to it."""
+    import keras
+
+    return keras.ops.convert_to_tensor(x)
+
+
+def _torch_sync(xt):
+    """Wait for the GPU's queued work (a CUDA call returns before it has run)."""
+    import torch
+
+    if xt.is_cuda:
+        torch.cuda.synchronize()
+
+
 def make_step(layer, x, tf_xla=False):
     """A zero-argument callable running one training step and blocking on it.
 
@@ -62,7 +78,7 @@ def make_step(layer, x, tf_xla=False):
     if backend == "torch":
         import torch
 
-        xt = torch.tensor(x, requires_grad=True)
+        xt = _torch_input(x).requires_grad_()
 
         def step():
             for v in layer.trainable_variables:
@@ -71,6 +87,7 @@ def make_step(layer, x, tf_xla=False):
             y = layer(xt, xt, use_causal_mask=True)
             loss = torch.mean(torch.square(y.float()))
             loss.backward()
+            _torch_sync(xt)
         return step
     if backend == "tensorflow":
         import tensorflow as tf
@@ -117,11 +134,12 @@ def make_forward(layer, x, tf_xla=False):
     if backend == "torch":
         import torch
 
-        xt = torch.tensor(x)
+        xt = _torch_input(x)
 
         def run():
             with torch.no_grad():
                 layer(xt, xt, use_causal_mask=True)
+            _torch_sync(xt)
         return run
     if backend == "tensorflow":
         import tensorflow as tf
