@@ -271,6 +271,10 @@ def run_case(backend: str, adapter, case) -> Result:
         them = "it" if len(missing) == 1 else "them"
         return Result(backend, case.name, "SKIP",
                       reason=f"needs {', '.join(missing)}; {backend} lacks {them}")
+    skip = getattr(adapter, "skip_reason", None)
+    reason = skip(case) if skip is not None else None
+    if reason:
+        return Result(backend, case.name, "SKIP", reason=reason)
     try:
         got = adapter.run(case)
     except Exception as e:  # the adapter's failure is the case's failure, not the suite's

@@ -81,6 +81,8 @@ class Implementation:
             least this (0: no threshold): below it the plain core is as fast.
         cpu_env: environment variables a process must set before importing the
             framework to run it on a CPU (e.g. Triton's interpreter), {} if none.
+        one_query_only: it computes one-query calls (T = 1, a decoding step) itself
+            and runs every other call through the plain core (``dcmha.ops``).
         description: one line for tables and error messages.
     """
 
@@ -94,6 +96,7 @@ class Implementation:
     priority: int = 0
     min_length_product: int = 0
     cpu_env: Mapping[str, str] = field(default_factory=dict)
+    one_query_only: bool = False
     description: str = ""
 
     def __post_init__(self):
@@ -113,6 +116,9 @@ class Implementation:
                 what = "an integer" if attr == "priority" else "a non-negative integer"
                 raise ValueError(f"`{attr}` of implementation {self.name!r} must be {what}. "
                                  f"Received: {attr}={value!r}")
+        if not isinstance(self.one_query_only, bool):
+            raise ValueError(f"`one_query_only` of implementation {self.name!r} must be a "
+                             f"bool. Received: one_query_only={self.one_query_only!r}")
         if not isinstance(self.cpu_env, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in self.cpu_env.items()):
             raise ValueError(f"`cpu_env` of implementation {self.name!r} must map variable names "

@@ -274,6 +274,46 @@ def test_case_with_no_covered_output_is_skipped_not_passed():
     assert (res.status, res.reason) == ("SKIP", "needs attention_scores; no-scores lacks it")
 
 
+def test_an_adapter_may_skip_a_case_it_has_the_capabilities_for():
+    from dcmha.conformance.adapters.reference import ReferenceAdapter
+    from dcmha.conformance.runner import run_case
+
+    class Picky(ReferenceAdapter):
+        def skip_reason(self, case):
+            return None if case.name == "mha" else f"not {case.name}"
+
+    cases = {c.name: c for c in load_cases("mha,dcmha")}
+    assert run_case("picky", Picky(), cases["mha"]).status == "PASS"
+    res = run_case("picky", Picky(), cases["dcmha"])
+    assert (res.status, res.reason) == ("SKIP", "not dcmha")
+
+
+def test_one_query_calls_of_the_cases():
+    from dcmha.conformance.adapters.base import decode_segments, has_one_query_call
+
+    cases = {c.name: c for c in load_cases()}
+    got = {n for n, c in cases.items() if has_one_query_call(c)}
+    expected = {n for n, c in cases.items()
+                if (c.dims["query_length"] == 1 if c.kind != "decode"
+                    else 1 in [b - a for a, b in decode_segments(c)])}
+    assert got == expected
+    # Both kinds occur, and some decode case has only longer steps.
+    assert "query_length_1" in got and "decode_single_tokens" in got
+    assert "decode_multi_token_steps" not in got and "dcmha" not in got
+
+
+def test_a_one_query_implementation_runs_only_cases_with_a_one_query_call():
+    """impl-jax_decode computes one-query calls itself and runs the others through the plain
+    core: it skips the cases without one (keras-jax covers them), and runs the others."""
+    pytest.importorskip("jax")
+    r = cli("--backend", "impl-jax_decode", "--case", "dcmha,query_length_1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = {case: result for (_, case), result in rows(r.stdout).items()}
+    assert got["dcmha"] == ("SKIP (no one-query call: 'jax_decode' computes only those itself "
+                            "and runs the others through the plain core)")
+    assert got["query_length_1"].startswith("PASS") and "via jax_decode" in got["query_length_1"]
+
+
 # ---------------------------------------------------------------------------
 # Every registered implementation is an adapter
 # ---------------------------------------------------------------------------

@@ -231,6 +231,8 @@ def test_entry_points_are_checked(monkeypatch, toy, case):
     (dict(cpu_env={"X": 1}),
      "`cpu_env` of implementation 'toy' must map variable names to strings. "
      "Received: cpu_env={'X': 1}"),
+    (dict(one_query_only=1),
+     "`one_query_only` of implementation 'toy' must be a bool. Received: one_query_only=1"),
     (dict(devices={"cpu"}, auto_devices={"gpu"}),
      "`auto_devices` of implementation 'toy' must be a subset of ['cpu']. Received: ['gpu']"),
     (dict(lacks={"dropout", "flash"}),

@@ -21,6 +21,7 @@ IMPLEMENTATION, is_available, __getattr__ = cpu_kernel_package(
 DECODE_IMPLEMENTATION = Implementation(
     name="jax_decode", backend="jax", module="dcmha.backends.jax_cpu.decode",
     devices=frozenset({"cpu"}), auto_devices=frozenset({"cpu"}),
-    lacks=frozenset({"intermediates", "dropout", "symbolic_shapes"}), priority=15,
+    lacks=frozenset({"intermediates", "dropout", "symbolic_shapes"}), one_query_only=True,
+    priority=15,
     description="one decoding step (T = 1): the plain one-query path with its composes in "
                 "the compiled C kernel (jax.ffi); other calls run the plain core")

@@ -35,7 +35,8 @@ IMPLEMENTATION = Implementation(
 DECODE_IMPLEMENTATION = Implementation(
     name="torch_decode", backend="torch", module="dcmha.backends.torch_native.decode",
     devices=frozenset({"cpu", "gpu"}), auto_devices=frozenset({"cpu"}),
-    lacks=frozenset({"intermediates", "dropout", "symbolic_shapes"}), priority=15,
+    lacks=frozenset({"intermediates", "dropout", "symbolic_shapes"}), one_query_only=True,
+    priority=15,
     description="one decoding step (T = 1) in plain PyTorch ops; other calls run the "
                 "plain core")
 

@@ -27,6 +27,7 @@ IMPLEMENTATION = Implementation(
 DECODE_IMPLEMENTATION = Implementation(
     name="tf_decode", backend="tensorflow", module="dcmha.backends.xla.decode",
     devices=frozenset({"cpu", "gpu"}), auto_devices=frozenset({"cpu"}),
-    lacks=frozenset({"intermediates", "dropout", "symbolic_shapes"}), priority=25,
+    lacks=frozenset({"intermediates", "dropout", "symbolic_shapes"}), one_query_only=True,
+    priority=25,
     description="one decoding step (T = 1): the plain core's one-query path, "
                 "XLA-compiled; other calls run the plain core")

@@ -72,6 +72,11 @@ class Adapter:
         """Compute ``case.outputs`` for one case (see the module docstring)."""
         raise NotImplementedError
 
+    def skip_reason(self, case) -> Optional[str]:
+        """Optional: why this adapter skips ``case`` although it has the capabilities
+        (None: it runs the case). The runner asks after the capability check."""
+        return None
+
     def missing(self, case) -> Tuple[str, ...]:
         """The requirements of ``case`` this adapter lacks (empty: it can run the case)."""
         return tuple(r for r in case.requires if r not in self.capabilities)
@@ -110,6 +115,14 @@ def decode_segments(case) -> Iterator[Tuple[int, int]]:
         start += n
 
 
+def has_one_query_call(case) -> bool:
+    """Whether a call of ``case`` has one query (T = 1): a forward or gradient case with
+    query length 1, or a decode case with a one-token step."""
+    if case.kind == "decode":
+        return any(stop - start == 1 for start, stop in decode_segments(case))
+    return case.dims["query_length"] == 1
+
+
 def cache_length(case) -> int:
     """The cache size S_max of a decode case (``call.cache_length``, default the sequence length)."""
     return int(case.call.get("cache_length") or sum(case.call["decode_steps"]))
@@ -121,4 +134,5 @@ def dtype_name(case) -> str:
 
 
 __all__ = ["Adapter", "CAPABILITIES", "LONG_LENGTH_PRODUCT", "output_capability",
-           "covered_outputs", "call_inputs", "decode_segments", "cache_length", "dtype_name"]
+           "covered_outputs", "call_inputs", "decode_segments", "has_one_query_call",
+           "cache_length", "dtype_name"]

@@ -34,7 +34,7 @@ from typing import Dict, Optional
 import numpy as np
 
 from dcmha.conformance.adapters.base import (CAPABILITIES, Adapter, cache_length, call_inputs,
-                                             decode_segments)
+                                             decode_segments, has_one_query_call)
 
 _POLICIES = {"float32": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
 
@@ -66,14 +66,18 @@ class _KerasAdapter(Adapter):
     #: The layer's ``implementation`` argument.
     implementation = "auto"
 
+    #: The implementation computes only one-query calls itself (``one_query_only``).
+    one_query_only = False
+
     def __init__(self, implementation: Optional[str] = None, name: Optional[str] = None,
-                 capabilities=None):
+                 capabilities=None, one_query_only: bool = False):
         if implementation is not None:
             self.implementation = implementation
         if name is not None:
             self.name = name
         if capabilities is not None:
             self.capabilities = frozenset(capabilities)
+        self.one_query_only = bool(one_query_only)
         self.keras = _import_keras(self.backend, self.name)
         self._strict_float32()
 
@@ -84,6 +88,14 @@ class _KerasAdapter(Adapter):
         """The context of calls that need no gradient (torch: no autograd recording, which
         kernels that return non-differentiable attention scores refuse)."""
         return contextlib.nullcontext()
+
+    def skip_reason(self, case) -> Optional[str]:
+        """A one-query-only implementation skips the cases without a one-query call: it runs
+        them through the plain core, which the keras-<backend> adapters cover."""
+        if self.one_query_only and not has_one_query_call(case):
+            return (f"no one-query call: {self.implementation!r} computes only those itself "
+                    f"and runs the others through the plain core")
+        return None
 
     # ------------------------------------------------------------- helpers
     def _layer(self, case):
@@ -401,7 +413,8 @@ def implementation_adapter(implementation: str, backend: str = "") -> _KerasAdap
                            f"{impl.backend!r}; give one of {sorted(BACKEND_ADAPTERS)}")
     name = f"impl-{implementation}" + (f"-{on}" if impl.backend == "any" else "")
     adapter = BACKEND_ADAPTERS[on](implementation=implementation, name=name,
-                                   capabilities=capabilities_for(impl, on))
+                                   capabilities=capabilities_for(impl, on),
+                                   one_query_only=impl.one_query_only)
     _probe(adapter)
     return adapter
 
