@@ -14,6 +14,13 @@ Steps run ``--jobs`` at a time (default: 2, or 1 on a one-CPU machine), longest
 first; a step's output is printed whole when it ends. Most steps spend their time
 in single-threaded tracing and compiling, so two at a time on two cores take
 about two thirds of the sequential time.
+
+Most of the JAX steps' time is XLA compiling, and many programs recur across their
+processes (the same layer shapes in the conformance adapters, the subprocess tests,
+keras-hub). The steps therefore share JAX's persistent compilation cache, in a
+directory made for the run and removed after it (a compiled program loaded from the
+cache is the one XLA would compile again): ``--no-jax-cache`` turns it off, and a
+``JAX_COMPILATION_CACHE_DIR`` already set is left alone.
 """
 
 from __future__ import annotations
@@ -93,8 +100,19 @@ _EXPECTED_SECONDS = {"conformance": 1000, "keras-jax": 900, "keras-tensorflow": 
                      "spec": 50, "hub-torch": 30, "dispatch-triton": 15}
 
 
-def run_step(label: str, env_over: dict, args, tmp: Path, capture: bool = False) -> dict:
-    env = dict(os.environ, **env_over)
+def _jax_cache_env(tmp: Path) -> dict:
+    """The environment that points every JAX process of the run at one persistent
+    compilation cache under ``tmp`` (every program cached, however quick to compile)."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def run_step(label: str, env_over: dict, args, tmp: Path, capture: bool = False,
+             shared_env: dict = None) -> dict:
+    env = dict(os.environ, **(shared_env or {}), **env_over)
     env.setdefault("PYTHONHASHSEED", "0")
     if args is None:
         report = tmp / f"{label}.json"
@@ -138,6 +156,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated step labels to run")
     ap.add_argument("--list", action="store_true", help="list the steps and exit")
+    ap.add_argument("--no-jax-cache", action="store_true",
+                    help="compile every JAX program in every process (no shared cache)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                     help="steps run at a time (default: %(default)s)")
     ns = ap.parse_args(argv)
@@ -158,12 +178,14 @@ def main(argv=None) -> int:
         return 2
     order = {s[0]: i for i, s in enumerate(todo)}
     with tempfile.TemporaryDirectory() as tmp:
+        shared = {} if ns.no_jax_cache else _jax_cache_env(Path(tmp))
         if ns.jobs == 1:
-            results = [run_step(label, env, args, Path(tmp)) for label, env, args in todo]
+            results = [run_step(label, env, args, Path(tmp), shared_env=shared)
+                       for label, env, args in todo]
         else:
             queue = sorted(todo, key=lambda s: -_EXPECTED_SECONDS.get(s[0], 10))
             with concurrent.futures.ThreadPoolExecutor(ns.jobs) as pool:
-                futures = [pool.submit(run_step, label, env, args, Path(tmp), True)
+                futures = [pool.submit(run_step, label, env, args, Path(tmp), True, shared)
                            for label, env, args in queue]
                 results = [f.result() for f in futures]
             results.sort(key=lambda r: order[r["label"]])
