@@ -1253,9 +1253,10 @@ class DCMHA(keras.layers.Layer):
         if cache is not None:
             new_cache = dict(cache)
             if not read_only:
+                writer = dops.cache_writer(cache_update_index, S_new, ops.shape(key)[0])
+
                 def write(name, update):
-                    new_cache[name] = dops.write_slice(cache[name], cache_update_index,
-                                                       update)
+                    new_cache[name] = writer(cache[name], update)
                 write("key", k)
                 write("value", v)
                 for slot, ws in kdyn.items():
