@@ -647,12 +647,14 @@ def _decode_compose_products(x, terms, reduce_sum, transpose):
     return out
 
 
-def one_query_probs(x, mask, pre, post, M):
+def one_query_probs(x, mask, pre, post, M, *, compose=None):
     """One query's probabilities p (B, G, M, S) float32 from its scores x (B, G, M, S):
     the pre compose, the mask (``_attention_one_query``'s: (B|1, 1, S|1) or per head
-    (B|1, N, 1, S|1), True = attend), the softmax and the post compose."""
+    (B|1, N, 1, S|1), True = attend), the softmax and the post compose.
+    ``compose(x, terms, M)`` computes each compose (default ``decode_compose``)."""
+    compose = compose or decode_compose
     if pre:
-        x = decode_compose(x, pre, M)
+        x = compose(x, pre, M)
     if mask is not None:
         # (B|1, 1, S|1) -> (B|1, 1, 1, S|1); per head (B|1, N, 1, S|1) -> (B|1, G, M, S|1)
         m = mask if len(mask.shape) == 4 else mask[:, None]
@@ -662,7 +664,7 @@ def one_query_probs(x, mask, pre, post, M):
     # (_shape: a traced size is unknown, so an exporter's trace at S=1 keeps the softmax.)
     p = ops.ones_like(x) if _shape(x)[-1] == 1 else ops.softmax(x, axis=-1)
     if post:
-        p = decode_compose(p, post, M)
+        p = compose(p, post, M)
     return p
 
 

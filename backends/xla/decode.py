@@ -7,9 +7,10 @@ composes of a step are some 25 ops, so on a CPU they cost more than the scores
 and P.V together. This implementation runs the plain core's one-query path
 (``dcmha.ops``: scores, both composes with the key-side terms in low-rank form,
 the masked softmax, P.V) as one ``tf.function(jit_compile=True)``: XLA fuses it
-into a few kernels. The arithmetic and the masking rules are the plain core's
-(it is that code, compiled): masked probabilities are exactly 0, and a query
-that sees no key outputs 0.
+into a few kernels. The composes take ``decode_compose``'s broadcast-product
+form, which XLA fuses on the cache's own (B, S, G, ...) layout. The arithmetic
+and the masking rules are the plain core's (it is that code, compiled): masked
+probabilities are exactly 0, and a query that sees no key outputs 0.
 
 Only the core is compiled. The projections around it (the q, k, v and output
 matmuls, the dynamic weights) stay in the caller's graph: XLA's CPU
@@ -37,17 +38,35 @@ def preferred(call) -> bool:
     return not tf.executing_eagerly()
 
 
+def _products_compose(x, terms, M):
+    """``dcmha.ops.decode_compose`` in its broadcast-product form: under XLA each
+    compose then fuses into a few loop kernels on the cache's own layout, where the
+    einsum form's small dots and layout copies were some 15 more thunks per step
+    (lm256: 1.24x -> 1.19x of composition off, benchmarks/RESULTS.md)."""
+    from keras import ops
+
+    from dcmha import ops as dops
+    return dops.decode_compose(x, terms, M, reduce_sum=ops.sum, transpose=ops.transpose)
+
+
+def _one_query_probs(x, mask, pre, post, M):
+    from dcmha import ops as dops
+    return dops.one_query_probs(x, mask, pre, post, M, compose=_products_compose)
+
+
 def _compiled_step():
     if not _STEP:
         import tensorflow as tf
 
+        from dcmha import call as dcall
         from dcmha import ops as dops
 
         def step(q, k, v, pre, post, mask, offset, num_groups, causal, window):
-            return dops.dcmha_attention(
+            call = dcall.describe(
                 q, k, v, num_groups=num_groups, pre=pre or None, post=post or None,
                 attention_mask=mask, use_causal_mask=causal, sliding_window=window,
-                query_offset=offset, implementation="ops")
+                query_offset=offset, auto_chunk=False)
+            return dops.attention(call, decode_probs=_one_query_probs)[0]
 
         _STEP.append(tf.function(step, jit_compile=True, autograph=False))
     return _STEP[0]
