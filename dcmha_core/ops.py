@@ -205,20 +205,21 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
         _check_dynamic_args(x, dw1, qkw, dd, slots, rank)
     weights = [w.value if isinstance(w, keras.Variable) else w for w in (dw1, qkw, dd)]
     torch = _eager_torch(x, *(w for w in weights if w is not None))
+    C = len(slots)
     if torch is not None:
-        stacked = _dynamic_weights_torch(torch, x, *weights, C=len(slots), rank=rank,
+        stacked = _dynamic_weights_torch(torch, x, *weights, C=C, rank=rank,
                                          gelu_approximate=gelu_approximate)
-        unstack = lambda a: a.unbind(3)                                 # noqa: E731
+        split = {n: a.unbind(3) for n, a in stacked.items()}
     else:
-        stacked = _step_kernel_dynamic_weights(x, *weights, C=len(slots), rank=rank,
-                                               gelu_approximate=gelu_approximate)
-        if stacked is None:
-            stacked = plain_dynamic_weights(x, dw1, qkw, dd, C=len(slots), rank=rank,
+        split = _step_kernel_dynamic_weights(x, *weights, C=C, rank=rank,
+                                             gelu_approximate=gelu_approximate)
+        if split is None:
+            stacked = plain_dynamic_weights(x, dw1, qkw, dd, C=C, rank=rank,
                                             gelu_approximate=gelu_approximate)
-        unstack = lambda a: ops.unstack(a, len(slots), axis=3)          # noqa: E731
+            split = {n: ops.unstack(a, C, axis=3) for n, a in stacked.items()}
     out = {s: {} for s in slots}
-    for name, a in stacked.items():          # the C axis (3) split into one array per slot
-        for s, a_s in zip(slots, unstack(a)):
+    for name, arrays in split.items():       # the C axis (3) split: one array per slot
+        for s, a_s in zip(slots, arrays):
             out[s][name] = a_s
     return out
 
@@ -294,9 +295,12 @@ def _step_dynamic_weights(backend):
     """``backend``'s kernel for a decoding step's dynamic weights (the module of
     ``_STEP_DYNAMIC_OWNERS[backend]``, through the registry), or None.
 
-    Its signature: (x2 (BL, D), dw1, qkw, dd, *, C, rank, gelu_approximate, eps) ->
-    ``plain_dynamic_weights``' arrays with (BL,) for (B, L), or None where it cannot run
-    (too many rows, no kernel, a gradient it does not record...)."""
+    Its signature: (x, dw1, qkw, dd, *, C, rank, gelu_approximate, eps), None where it
+    cannot run (too many rows, no kernel, a gradient it does not record...). torch's
+    takes x2 (BL, D) and returns ``plain_dynamic_weights``' arrays with (BL,) for (B,
+    L); tensorflow's takes x (B, L, D) and returns them split into their C slots
+    ({name: [C arrays (B, L, G, ...)]}: its op writes each slot's array, so a graph has
+    no reshape or unstack op after it)."""
     if backend not in _STEP_DYNAMIC:
         from dcmha import registry
         impl = registry.implementations().get(_STEP_DYNAMIC_OWNERS.get(backend, ""))
@@ -309,19 +313,17 @@ def _step_dynamic_weights(backend):
 
 
 def _step_kernel_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
-    """``plain_dynamic_weights``' result from TensorFlow's step kernel when it takes x (B, L,
-    D) (its sizes known), else None (eager PyTorch calls its kernel in
-    ``_dynamic_weights_torch``; other backends have none)."""
+    """``plain_dynamic_weights``' arrays split into their C slots ({name: [C arrays (B, L,
+    G, ...)]}) from TensorFlow's step kernel when it takes x (B, L, D) (its sizes known),
+    else None (eager PyTorch calls its kernel in ``_dynamic_weights_torch``; other
+    backends have none)."""
     if keras.backend.backend() != "tensorflow":
         return None
     fast = _step_dynamic_weights("tensorflow")
-    B, L, D = _shape(x)
-    if fast is None or B is None or L is None or D is None:
+    if fast is None or None in _shape(x):
         return None
-    out = fast(ops.reshape(x, (B * L, D)), dw1, qkw, dd, C=C, rank=rank,
-               gelu_approximate=gelu_approximate, eps=W1_NORM_EPS)
-    return None if out is None else {n: ops.reshape(a, (B, L, *a.shape[1:]))
-                                     for n, a in out.items()}
+    return fast(x, dw1, qkw, dd, C=C, rank=rank, gelu_approximate=gelu_approximate,
+                eps=W1_NORM_EPS)
 
 
 def _check_dynamic_args(x, dw1, qkw, dd, slots, rank):

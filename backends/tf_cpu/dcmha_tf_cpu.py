@@ -52,7 +52,38 @@ def _build():
     def _compose_grad(op, g):
         return module.dcmha_compose_backward(op.inputs[0], g, *op.inputs[1:],
                                              flags=op.get_attr("flags"))
+
+    tf.RegisterGradient("DcmhaDynamicWeights")(_dynamic_weights_grad)
     return module, None
+
+
+_DYNAMIC_NAMES = ("w1", "w2", "dd")     # the op's output lists, in order
+
+
+def _dynamic_weights_grad(op, *upstream):
+    """``DcmhaDynamicWeights``' gradient: the plain form's (``plain_dynamic_weights``),
+    for x and the weights (zeros for the dummies of absent parts). A registered gradient
+    rather than ``tf.custom_gradient``, whose identity ops would sit in every step's
+    graph."""
+    C, rank = op.get_attr("c"), op.get_attr("rank")
+    present = (op.get_attr("has_projection"),) * 2 + (op.get_attr("has_gating"),)
+    x, dw1, qkw, dd = op.inputs
+    inputs = [x, dw1, qkw, dd]
+    with tf.GradientTape() as tape:
+        tape.watch(inputs)
+        plain = dops.plain_dynamic_weights(
+            x, dw1 if present[0] else None, qkw if present[0] else None,
+            dd if present[2] else None, C=C, rank=rank,
+            gelu_approximate=bool(op.get_attr("gelu_approximate")))
+        pairs = [(p, upstream[i * C + c])
+                 for i, n in enumerate(_DYNAMIC_NAMES) if present[i]
+                 for c, p in enumerate(tf.unstack(plain[n], C, axis=3))
+                 if upstream[i * C + c] is not None]
+    if not pairs:
+        return [tf.zeros_like(t) for t in inputs]
+    return tape.gradient([p for p, _ in pairs], inputs,
+                         output_gradients=[u for _, u in pairs],
+                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
 
 def _compose_with(module):
@@ -66,49 +97,30 @@ _PATH = cpu_blocks.KernelPath(_build, _compose_with)
 #: load() -> bool, unavailable_reason() -> str or None, and
 #: dcmha_attention(q, k, v, **kwargs): ``cpu_blocks.attention`` with this kernel.
 load, unavailable_reason, dcmha_attention = _PATH.load, _PATH.unavailable_reason, _PATH.attention
-def dynamic_weights(x2, dw1, qkw, dd, *, C, rank, gelu_approximate, eps):
-    """``dcmha.ops``' stacked dynamic weights for x2 (BL, D) float32 as one kernel op
-    (``DcmhaDynamicWeights``): {"w1", "w2": (BL, G, C, R, M), "dd": (BL, G, C, M)} (those
-    present), or None where the op cannot run: BL unknown or above ``cpu_kernel.DYNAMIC_ROWS``, a trace
-    for XLA (``jit_compile=True``), no kernel. In a graph each op costs about 10 us to
-    dispatch, and the plain form is some 20 ops. Its gradient is the plain form's."""
+def dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate, eps):
+    """``dcmha.ops``' dynamic weights for x (B, L, D) as one kernel op
+    (``DcmhaDynamicWeights``), split into the C slots: {"w1", "w2": [C arrays (B, L, G,
+    R, M)], "dd": [C arrays (B, L, G, M)]} (those present), or None where the op cannot
+    run: B L unknown or above ``cpu_kernel.DYNAMIC_ROWS``, a trace for XLA
+    (``jit_compile=True``), no kernel. In a graph each op costs about 10 us to dispatch,
+    and the plain form is some 20 ops; the op writes each slot's array in its final
+    shape, so no reshape or unstack follows it. Its gradient (registered for the op) is
+    the plain form's."""
     from ..xla.dcmha_xla import in_xla_context
-    BL = x2.shape[0]
-    if BL is None or BL > cpu_kernel.DYNAMIC_ROWS or in_xla_context() or not load():
+    B, L = x.shape[0], x.shape[1]
+    if (B is None or L is None or B * L > cpu_kernel.DYNAMIC_ROWS or in_xla_context()
+            or not load()):
         return None
     module = _PATH.handle()
     G, K, M = cpu_kernel.dynamic_sizes(dw1, qkw, dd, C)
     weights = [tf.zeros((1,), tf.float32) if w is None else tf.cast(w, tf.float32)
                for w in (dw1, qkw, dd)]
-
-    @tf.custom_gradient
-    def run(x2, *weights):
-        w1, w2, g = module.dcmha_dynamic_weights(
-            x2, *weights, gc=G * C, k=K, rank=rank, m=M, has_projection=int(dw1 is not None),
-            has_gating=int(dd is not None), gelu_approximate=int(gelu_approximate), eps=eps)
-
-        def grad(*upstream):
-            with tf.GradientTape() as tape:
-                tape.watch([x2, *weights])
-                plain = dops.plain_dynamic_weights(
-                    x2[None], *(w if w_in is not None else None
-                                for w, w_in in zip(weights, (dw1, qkw, dd))),
-                    C=C, rank=rank, gelu_approximate=gelu_approximate)
-                pairs = [(tf.reshape(plain[n][0], tf.shape(u)), u)   # as the op's outputs
-                         for u, n in zip(upstream, ("w1", "w2", "dd")) if n in plain]
-            flat, ups = [p for p, _ in pairs], [u for _, u in pairs]
-            return tape.gradient(flat, [x2, *weights], output_gradients=ups,
-                                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return (w1, w2, g), grad
-
-    w1, w2, g = run(tf.cast(x2, tf.float32), *weights)
-    out = {}
-    if dw1 is not None:
-        out["w1"] = tf.reshape(w1, (BL, G, C, rank, M))
-        out["w2"] = tf.reshape(w2, (BL, G, C, rank, M))
-    if dd is not None:
-        out["dd"] = tf.reshape(g, (BL, G, C, M))
-    return out
+    outs = module.dcmha_dynamic_weights(
+        tf.cast(x, tf.float32), *weights, c=C, gc=G * C, k=K, rank=rank, m=M,
+        has_projection=int(dw1 is not None), has_gating=int(dd is not None),
+        gelu_approximate=int(gelu_approximate), eps=eps)
+    present = (dw1 is not None, dw1 is not None, dd is not None)
+    return {n: list(a) for n, a, p in zip(_DYNAMIC_NAMES, outs, present) if p}
 
 
 #: The plain function beside the kernel (no blocks, no kernel; materialising).

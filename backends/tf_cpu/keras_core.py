@@ -25,11 +25,11 @@ def unsupported(call):
     return cpu_blocks.unsupported(call, dcmha_tf_cpu)
 
 
-def dynamic_weights(x2, dw1, qkw, dd, **kwargs):
+def dynamic_weights(x, dw1, qkw, dd, **kwargs):
     """A decoding step's dynamic weights by the kernel op (``dcmha_tf_cpu.dynamic_weights``;
     ``dcmha.ops`` finds it here through the registry), or None."""
     from . import dcmha_tf_cpu
-    return dcmha_tf_cpu.dynamic_weights(x2, dw1, qkw, dd, **kwargs)
+    return dcmha_tf_cpu.dynamic_weights(x, dw1, qkw, dd, **kwargs)
 
 
 def attention(call):
