@@ -131,9 +131,16 @@ def cache_writer(index, new_length, batch):
     if keras.backend.backend() != "tensorflow":
         return lambda entry, update: write_slice(entry, index, update)
     import tensorflow as tf
-    rows = tf.range(new_length, dtype=tf.int32) + tf.cast(index, tf.int32)  # (T,)
-    grid = tf.meshgrid(tf.range(batch, dtype=tf.int32), rows, indexing="ij")
-    positions = tf.stack(grid, axis=-1)                                    # (B, T, 2)
+    index = tf.cast(index, tf.int32)
+    if isinstance(batch, int) and isinstance(new_length, int):
+        # (b, t) for every row as a constant, shifted by (0, index): two graph ops.
+        grid = np.stack(np.meshgrid(np.arange(batch), np.arange(new_length), indexing="ij"),
+                        axis=-1).astype(np.int32)
+        positions = grid + tf.stack([0, index])                            # (B, T, 2)
+    else:
+        rows = tf.range(new_length, dtype=tf.int32) + index                # (T,)
+        grid = tf.meshgrid(tf.range(batch, dtype=tf.int32), rows, indexing="ij")
+        positions = tf.stack(grid, axis=-1)                                # (B, T, 2)
 
     def write(entry, update):
         return tf.tensor_scatter_nd_update(entry, positions,
