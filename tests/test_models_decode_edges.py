@@ -188,3 +188,35 @@ def test_bad_temperature_is_refused(lm, temperature):
                f"Received: temperature={temperature!r}")
     with pytest.raises(ValueError, match=re.escape(message)):
         lm.generate(np.array([[1, 2]]), max_new_tokens=1, temperature=temperature)
+
+
+@pytest.mark.parametrize("form", ["int", "tensor"])
+@pytest.mark.parametrize("B,T,index", [(1, 1, 3), (2, 3, 1), (3, 2, 0)])
+def test_cache_writer_writes_every_entry_at_the_index(B, T, index, form):
+    """``dcmha.ops.cache_writer`` (the layer's cache writes: TensorFlow's scatter on
+    positions built once per call, ``write_slice`` elsewhere) writes each entry's rows
+    [:, index:index + T], casts to the entry's dtype and leaves the rest; for a Python int
+    index, and for an int32 tensor index: traced while unknown (jax.jit, tf.function),
+    eager on torch and numpy. Expected values are numpy's slice assignment."""
+    from dcmha import ops as dops
+    rng = np.random.default_rng(B * 10 + T)
+    entries = [rng.normal(size=(B, 5, 2, 3)).astype("float32"),
+               rng.normal(size=(B, 5, 4)).astype("float16")]
+    updates = [rng.normal(size=(B, T) + e.shape[2:]).astype("float32") for e in entries]
+
+    def write(i, *arrays):
+        writer = dops.cache_writer(i, T, B)
+        return [writer(e, u) for e, u in zip(arrays[:2], arrays[2:])]
+
+    args = [ops.convert_to_tensor(a) for a in entries + updates]
+    if form == "int":
+        got = write(index, *args)
+    elif BACKEND in ("jax", "tensorflow"):
+        got = _trace(write, None, None)(_int32(index), *args)
+    else:
+        got = write(_int32(index), *args)
+    for e, u, g in zip(entries, updates, got):
+        want = e.copy()
+        want[:, index:index + T] = u.astype(e.dtype)
+        assert keras.backend.standardize_dtype(g.dtype) == str(e.dtype)
+        np.testing.assert_array_equal(_np(g), want)
