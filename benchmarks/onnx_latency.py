@@ -3,7 +3,7 @@
     python benchmarks/onnx_latency.py [--batch 1] [--length 512] [--width 256] [--heads 8]
         [--layers 2] [--repeats 10] [--threads N] [--cases layer,stack]
         [--modes prefill,decode] [--dtypes float32,float16] [--backends jax,torch,tensorflow]
-        [--decode-position P] [--ort-plain] [--json out.json]
+        [--decode-position P] [--ort-plain] [--pause MS] [--json out.json]
 
 Cases: "layer" (one causal DCMHA self-attention, all compositions on, RoPE) and
 "stack" (--layers pre-norm blocks: RMSNorm, DCMHA, residual, RMSNorm, gelu MLP,
@@ -33,6 +33,11 @@ interquartile range of each, the max relative difference of each Keras output
 from onnxruntime's, and fastest Keras / onnxruntime (above 1: onnxruntime is
 faster). The load average is printed with the figures: on a shared machine the
 ratios are the meaningful part.
+
+``--pause MS`` sleeps after every timed call, so that each call starts on an idle
+machine, as a request after a gap would, instead of back to back with the other
+runtimes' calls. The ratios depend on it (benchmarks/RESULTS.md): after a pause the
+runtimes wake their sleeping worker threads, and pay for that differently.
 
 ``main(argv)`` returns the result dict (also written by --json).
 """
@@ -311,6 +316,9 @@ def parse(argv):
                     help="position of the decoded token (default: --length - 1)")
     ap.add_argument("--ort-plain", action="store_true",
                     help="also time onnxruntime on the graphs without Compose nodes")
+    ap.add_argument("--pause", type=float, default=0.0,
+                    help="milliseconds of sleep after every timed call: each call then "
+                         "starts on an idle machine (default 0: calls back to back)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
@@ -442,6 +450,8 @@ def _measure(args, workers, case, mode, dtype, inputs, errors):
     for r in range(args.repeats):      # rotate the order: no runtime always goes first
         for w in live[r % len(live):] + live[:r % len(live)]:
             times[w.backend].append(w.ask(op="time")["seconds"])
+            if args.pause:
+                time.sleep(args.pause / 1e3)
     stats = {b: _stats(t) for b, t in times.items()}
     if ORT in stats:
         row[ORT] = stats.pop(ORT)
