@@ -19,6 +19,7 @@ from keras import ops
 from dcmha import ops as dops
 from dcmha.call import shape_of as _shape
 from dcmha.spec import reference as spec
+from dcmha.spec import terms as spec_terms
 
 _BOOL_ARGS = ("pre_compose", "post_compose", "query_wise", "key_wise", "dynamic_projection",
               "dynamic_gating", "static_compose", "gelu_approximate", "qk_norm", "use_bias",
@@ -167,6 +168,14 @@ def _call_flag(name, value, traced_ok=False):
         raise ValueError(f"`{name}` must be a boolean or a boolean scalar tensor. Received: "
                          f"{name} of shape {tuple(value.shape)} and dtype {dtype}")
     raise ValueError(f"`{name}` must be a boolean. Received: {name}={value!r}")
+
+
+def _stack(arrays, axis):
+    return ops.stack(arrays, axis=axis)
+
+
+def _unstack(x, axis, num):
+    return ops.unstack(x, num=num, axis=axis)
 
 
 def _on_keras_device(*values):
@@ -1003,9 +1012,10 @@ class DCMHA(keras.layers.Layer):
         """An all-zero decoding cache (``reference.cache_shapes`` layout).
 
         "key" (B, S_max, N_kv, d) after QK-norm and RoPE, "value"
-        (B, S_max, N_kv, d_v) and, per enabled key slot, "<slot>_w1"/"<slot>_w2"
-        (B, S_max, G, R, M) and "<slot>_dd" (B, S_max, G, M). dtype defaults to
-        the compute dtype (the dtype Keras casts float call arguments to).
+        (B, S_max, N_kv, d_v) and, with C_k enabled key slots, "key_w"
+        (B, S_max, 2 C_k, G, R, M) (w1 then w2 of each slot, pre_key first) and
+        "key_dd" (B, S_max, C_k, G, M). dtype defaults to the compute dtype (the
+        dtype Keras casts float call arguments to).
         """
         dtype = dtype or self.compute_dtype
         return {n: ops.zeros(s, dtype=dtype)
@@ -1259,14 +1269,14 @@ class DCMHA(keras.layers.Layer):
                     new_cache[name] = writer(cache[name], update)
                 write("key", k)
                 write("value", v)
-                for slot, ws in kdyn.items():
-                    for n, w in ws.items():
-                        write(f"{slot}_{n}", w)
+                for name, w in spec_terms.pack_key_weights(kdyn, self._key_slots,
+                                                           stack=_stack).items():
+                    write(name, w)
             k = dops.as_dtype(new_cache["key"], "float32")
             v = dops.as_dtype(new_cache["value"], "float32")
-            kdyn = {s: {n: dops.as_dtype(new_cache[f"{s}_{n}"], "float32")
-                        for n in ("w1", "w2", "dd") if f"{s}_{n}" in new_cache}
-                    for s in self._key_slots}
+            kdyn = spec_terms.unpack_key_weights(
+                {n: dops.as_dtype(new_cache[n], "float32") for n in spec_terms.KEY_CACHE
+                 if n in new_cache}, self._key_slots, unstack=_unstack)
 
         mask, causal = self._attention_mask(
             *inputs, attention_mask, query_mask, value_mask, key_mask, causal, T,

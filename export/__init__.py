@@ -48,8 +48,8 @@ def to_onnx(obj, path, *, opset: Optional[int] = None, dynamic: bool = True,
         decode: write one cached step instead of the full forward. Extra
             inputs: ``cache_update_index`` (int64 scalar: the position of the
             first new token) and ``past_<entry>`` for every entry of
-            ``reference.cache_shapes`` (key, value, pre_key_w1, pre_key_w2,
-            pre_key_dd, post_key_w1, ...), shape (B, S_max, ...); outputs
+            ``reference.cache_shapes`` (key, value, key_w, key_dd), shape
+            (B, S_max, ...); outputs
             ``present_<entry>`` of the same shapes. In a model every DCMHA call
             must be causal self-attention; the entry names get the suffix
             ``.<layer path>``.

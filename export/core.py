@@ -25,7 +25,7 @@ of ``reference.param_shapes``):
     forward, self-attention   (query, [attention_mask], *weights)
     forward, general          (query, value, key, [attention_mask], *weights)
     decode                    (query, cache_update_index, past_key, past_value,
-                               past_<slot>_<w1|w2|dd>..., [attention_mask], *weights)
+                               past_key_w, past_key_dd, [attention_mask], *weights)
     outputs                   (output, [present_*...], [attention_scores])
 
 ``ModelBuilder`` assembles graphs from such calls (plus plain ops added by a
@@ -131,7 +131,7 @@ def check_call(cfg: ref.Config, call: CallSpec) -> None:
 
 
 def decode_names(cfg: ref.Config) -> List[str]:
-    """Cache entry names, in ``reference.cache_shapes`` order ("key", "value", "pre_key_w1", ...)."""
+    """Cache entry names, in ``reference.cache_shapes`` order ("key", "value", "key_w", "key_dd")."""
     return list(ref.cache_shapes(cfg, 1, 1))
 
 
@@ -339,6 +339,16 @@ class _Body:
             qk = self.rope(qk, positions)
         q, k = e.op("Split", qk, e.i64(N, N_kv), axis=2, outputs=2)
         return q, k, e.reshape(outs["v"], 0, 0, N_kv, d_v), positions, outs
+
+    def stack(self, parts, axis):
+        """``np.stack`` in ONNX: Unsqueeze each part at ``axis``, then one Concat."""
+        e = self.e
+        return e.op("Concat", *[e.op("Unsqueeze", p, e.i64(axis)) for p in parts], axis=axis)
+
+    def unstack(self, x, axis, num):
+        """The ``num`` slices of x along ``axis`` (that axis dropped): one Gather each."""
+        return [self.e.op("Gather", x, self.e.const(j, TensorProto.INT64), axis=axis)
+                for j in range(num)]
 
     def dynamic(self, x, D, prefix, names, pick=None, pre=None):
         """Dynamic weights of slots ``names`` from x (B, L, D): {slot: {"w1","w2","dd"}}.
@@ -583,7 +593,10 @@ class _Body:
 
             k = write("key", k)
             v = write("value", v)
-            kdyn = {s: {n: write(f"{s}_{n}", t) for n, t in ws.items()} for s, ws in kdyn.items()}
+            # the key-side weights as the cache stacks them (spec.terms.KEY_CACHE)
+            entries = spec_terms.pack_key_weights(kdyn, ks, stack=self.stack)
+            kdyn = spec_terms.unpack_key_weights(
+                {n: write(n, t) for n, t in entries.items()}, ks, unstack=self.unstack)
 
         qf, kf = self.factors(qdyn, kdyn)
         rows = (q, qf, q_pos, "attention_mask" if call.attention_mask else None)
@@ -1107,8 +1120,9 @@ def export_layer(cfg: ref.Config, params: Mapping[str, np.ndarray], call: CallSp
 
     Graph inputs:  query (B, T, D_q); value, key (B, S, D_kv) unless self-attention;
                    decode: cache_update_index (int64 scalar), past_key (B, S_max, N_kv, d),
-                   past_value (B, S_max, N_kv, d_v), past_<slot>_w1/_w2 (B, S_max, G, R, M),
-                   past_<slot>_dd (B, S_max, G, M); attention_mask (B, T, S) bool if requested.
+                   past_value (B, S_max, N_kv, d_v), past_key_w (B, S_max, 2 C_k, G, R, M),
+                   past_key_dd (B, S_max, C_k, G, M) (``reference.cache_shapes``);
+                   attention_mask (B, T, S) bool if requested.
     Graph outputs: output (B, T, D_out); decode: present_* (same shapes as past_*);
                    attention_scores (B, N, T, S), float32, if requested.
     Every float input/output but attention_scores has the compute ``dtype``.

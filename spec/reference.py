@@ -552,20 +552,24 @@ def attention(params: Mapping, cfg: Config, query: np.ndarray, key: Optional[np.
 def cache_shapes(cfg: Config, batch: int, max_length: int) -> Dict[str, tuple]:
     """Shapes of the decoding cache: keys, values and the key-side dynamic weights.
 
-    Keys are stored after QK-norm and RoPE (at their absolute positions). For
-    each enabled key slot (``pre_key``, ``post_key``) the cache holds
-    ``<slot>_w1``/``<slot>_w2`` (B, S_max, G, R, M) with a projection and
-    ``<slot>_dd`` (B, S_max, G, M) with gating.
+    Keys are stored after QK-norm and RoPE (at their absolute positions). With
+    C_k enabled key slots (``pre_key``, ``post_key``, in that order) the cache
+    holds ``key_w`` (B, S_max, 2 C_k, G, R, M) with a projection ([w1, w2] of
+    each slot along axis 2) and ``key_dd`` (B, S_max, C_k, G, M) with gating
+    (``terms.KEY_CACHE``; ``pack_key_weights`` / ``unpack_key_weights``).
     """
     B, L = batch, max_length
     shapes = {"key": (B, L, cfg.N_kv, cfg.d), "value": (B, L, cfg.N_kv, cfg.d_v)}
-    for s in side_slots(cfg, "key"):
-        if cfg.dynamic_projection:
-            shapes[s + "_w1"] = (B, L, cfg.G, cfg.R, cfg.M)
-            shapes[s + "_w2"] = (B, L, cfg.G, cfg.R, cfg.M)
-        if cfg.dynamic_gating:
-            shapes[s + "_dd"] = (B, L, cfg.G, cfg.M)
+    C_k = len(side_slots(cfg, "key"))
+    if C_k and cfg.dynamic_projection:
+        shapes["key_w"] = (B, L, 2 * C_k, cfg.G, cfg.R, cfg.M)
+    if C_k and cfg.dynamic_gating:
+        shapes["key_dd"] = (B, L, C_k, cfg.G, cfg.M)
     return shapes
+
+
+def _unstack(a: np.ndarray, axis: int, num: int):
+    return [np.take(a, j, axis) for j in range(num)]
 
 
 def init_cache(cfg: Config, batch: int, max_length: int) -> Dict[str, np.ndarray]:
@@ -601,10 +605,10 @@ def decode_step(params: Mapping, cfg: Config, query: np.ndarray, cache: Mapping,
     new = {n: np.array(c, np.float64, copy=True) for n, c in cache.items()}
     new["key"][:, i:i + T] = k
     new["value"][:, i:i + T] = v
-    for s, ws in kdyn_new.items():
-        for n, w in ws.items():
-            new[f"{s}_{n}"][:, i:i + T] = w
-    kdyn = {s: {n: new[f"{s}_{n}"] for n in ws} for s, ws in kdyn_new.items()}
+    slots_k = side_slots(cfg, "key")
+    for n, w in terms.pack_key_weights(kdyn_new, slots_k, stack=np.stack).items():
+        new[n][:, i:i + T] = w
+    kdyn = terms.unpack_key_weights(new, slots_k, unstack=_unstack)
     mask = make_mask(B, T, S, attention_mask=attention_mask, use_causal_mask=True,
                      sliding_window=cfg.sliding_window, query_offset=i)
     o, _ = attend(cfg, params, q, new["key"], new["value"], qdyn, kdyn, mask)

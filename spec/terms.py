@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple
 
 __all__ = ["Term", "COMPOSE_TERMS", "TERM_NAMES", "TERMS", "PAIRS", "BASE_TERMS", "MASKED_SCORE",
-           "stage_terms", "term_shape", "compose_factors", "key_range", "visible"]
+           "stage_terms", "term_shape", "compose_factors", "key_range", "visible", "KEY_CACHE",
+           "pack_key_weights", "unpack_key_weights"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,42 @@ def stage_terms(stage: str, query_dynamic: Optional[Mapping] = None,
                 out[term.name] = static
         elif term.dynamic in sides[term.side]:
             out[term.name] = sides[term.side][term.dynamic]
+    return out
+
+
+#: The decoding cache's entries of key-side dynamic weights (SPEC.md section 9): entry name ->
+#: the weights it stacks per key slot. Along axis 2 an entry holds, for each enabled key slot
+#: in order (pre_key, post_key), these weights in this order: "key_w" (B, S_max, 2 C_k, G, R,
+#: M) is [w1, w2] of each slot, "key_dd" (B, S_max, C_k, G, M) the gates of each slot. Two
+#: entries, not one per slot and weight, because every entry costs a write and a pass through
+#: a compiled step's arguments at every decoding step, whatever its size.
+KEY_CACHE = {"key_w": ("w1", "w2"), "key_dd": ("dd",)}
+
+
+def pack_key_weights(key_dynamic: Mapping, slots, *, stack) -> dict:
+    """The ``KEY_CACHE`` entries holding ``key_dynamic`` ({slot: {"w1", "w2", "dd"}}, each
+    (B, L, G, ...)) of the key ``slots`` in order: {"key_w": (B, L, 2 C_k, G, R, M),
+    "key_dd": (B, L, C_k, G, M)}, those with weights. ``stack(arrays, axis)``: the array
+    library's stack (works on any array type)."""
+    out = {}
+    for entry, names in KEY_CACHE.items():
+        parts = [key_dynamic[s][n] for s in slots for n in names if n in key_dynamic[s]]
+        if parts:
+            out[entry] = stack(parts, 2)
+    return out
+
+
+def unpack_key_weights(entries: Mapping, slots, *, unstack) -> dict:
+    """``pack_key_weights`` undone: {slot: {"w1", "w2", "dd"}} (each (B, S, G, ...)) of the
+    key ``slots`` from the ``KEY_CACHE`` entries present in ``entries``.
+    ``unstack(array, axis, num)``: the ``num`` slices along ``axis``."""
+    out = {s: {} for s in slots}
+    for entry, names in KEY_CACHE.items():
+        if entry in entries:
+            parts = iter(unstack(entries[entry], 2, len(slots) * len(names)))
+            for s in slots:
+                for n in names:
+                    out[s][n] = next(parts)
     return out
 
 

@@ -136,7 +136,7 @@ def test_functional_model_forward_and_decode(tmp_path, lm):
     proto = to_onnx(model, dpath, decode=True)
     inputs, outputs = _io(proto)
     assert inputs[:3] == ["tokens", "cache_update_index", "past_key.attention_0"]
-    assert "present_post_key_dd.attention_1" in outputs and outputs[0] == "output"
+    assert "present_key_dd.attention_1" in outputs and outputs[0] == "output"
     assert verify(dpath, model, ids)["max_rel"] < 1e-5
 
 

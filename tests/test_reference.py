@@ -163,6 +163,32 @@ def test_decode_matches_full_forward(name, steps, cache_len):
     assert not np.any(cache["key"][:, T:])
 
 
+@pytest.mark.parametrize("name", ["all_switches_mqa", "post_key_only", "mha"])
+def test_decode_cache_layout(name):
+    """SPEC.md section 9: key_w holds w1 then w2 of each key slot (pre_key first) along
+    axis 2, key_dd each key slot's gates; positions past the last written stay zero."""
+    cfg = ref.Config(**DECODE_CONFIGS[name])
+    B, T, D, S_max = 2, 5, 12, 7
+    p = _scaled_params(cfg, D)
+    x = _rng(4).normal(size=(B, T, D))
+    cache = ref.init_cache(cfg, B, S_max)
+    for i in range(T):
+        _, cache = ref.decode_step(p, cfg, x[:, i:i + 1], cache, i)
+    _, kdyn = ref.dynamic_weights_both_sides(p, cfg, x, x)
+    ks = ref.side_slots(cfg, "key")
+    expected = {}
+    if ks and cfg.dynamic_projection:
+        expected["key_w"] = [kdyn[s][n] for s in ks for n in ("w1", "w2")]
+    if ks and cfg.dynamic_gating:
+        expected["key_dd"] = [kdyn[s]["dd"] for s in ks]
+    assert sorted(cache) == sorted(["key", "value"] + list(expected))
+    for name_, parts in expected.items():
+        assert cache[name_].shape[:3] == (B, S_max, len(parts))
+        for j, w in enumerate(parts):
+            np.testing.assert_allclose(cache[name_][:, :T, j], w, rtol=1e-12, atol=1e-14)
+        assert not np.any(cache[name_][:, T:])
+
+
 # ---------------------------------------------------------------------------
 # Masks
 # ---------------------------------------------------------------------------

@@ -251,9 +251,8 @@ def test_call_cache_entry_shape(layer):
 
 
 def test_call_cache_keys(layer):
-    with raises(ValueError, "`cache` must be a dict with keys ['key', 'post_key_dd', "
-                            "'post_key_w1', 'post_key_w2', 'pre_key_dd', 'pre_key_w1', "
-                            "'pre_key_w2', 'value'] (see `init_cache`). Received: list"):
+    with raises(ValueError, "`cache` must be a dict with keys ['key', 'key_dd', 'key_w', "
+                            "'value'] (see `init_cache`). Received: list"):
         layer(f32(2, 1, 16), f32(2, 1, 16), cache=[], cache_update_index=0)
 
 
