@@ -632,7 +632,7 @@ def load():
                     fn.argtypes = [ctypes.POINTER(_Args)]
                     fn.restype = ctypes.c_int
                 i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                stage = [i64, i64] + [ptr] * 7
+                stage = [i64, i64] + [ptr] * 7 + [i64, i64]
                 lib.dcmha_decode_probs.argtypes = ([i64] * 4 + [ptr] * 3 + [i64] * 3
                                                    + [ctypes.c_float] + stage + stage)
                 lib.dcmha_decode_probs.restype = ctypes.c_int
@@ -719,11 +719,50 @@ def cached_flags(names) -> int:
 
 
 def _stage_args(terms):
-    """(Rq, Rk, the 7 term pointers) of one stage for the C entry points (None: absent)."""
+    """(Rq, Rk, the 7 term pointers, kw_row, kd_row) of one stage for
+    ``dcmha_decode_probs`` (None: absent; see ``key_row``)."""
     terms = terms or {}
     return [terms["qw1"].shape[3] if "qw1" in terms else 1,
             terms["kw1"].shape[3] if "kw1" in terms else 1] + [
-        terms[n].data_ptr() if n in terms else None for n in CACHED_TERMS]
+        terms[n].data_ptr() if n in terms else None for n in CACHED_TERMS] + [
+        key_row(terms.get("kw1")), key_row(terms.get("kdd"))]
+
+
+def key_row(term) -> int:
+    """How many floats apart the key positions of a key-side term (B, S, G, ...) lie, for
+    ``dcmha_decode_probs``: 0 when contiguous, else the stride of one slot's view into the
+    decode cache's stacked entry (each position's (G, ...) block contiguous, batch b at
+    b * S * row). ``decode_terms`` makes every term one of these."""
+    if term is None or term.is_contiguous():
+        return 0
+    return term.stride(1)
+
+
+def _key_row_layout(term) -> bool:
+    """Whether ``key_row`` describes ``term``'s layout."""
+    B, S = term.shape[:2]
+    inner = term.shape[2:]
+    expected, step = [], 1
+    for n in reversed(inner):
+        expected.insert(0, step)
+        step *= n
+    st = term.stride()
+    return (list(st[2:]) == expected and st[1] >= step
+            and (B == 1 or st[0] == S * st[1]))
+
+
+def decode_terms(terms):
+    """A stage's terms for ``decode_probs``: float32 torch tensors, each contiguous or, for
+    kw1 / kw2 / kdd, a view of the layout ``key_row`` describes (kw1 and kw2 with the same
+    strides); anything else copied to a contiguous tensor."""
+    out = {n: w.contiguous() if n not in ("kw1", "kw2", "kdd") else w
+           for n, w in terms.items()}
+    for names in (("kw1", "kw2"), ("kdd",)):
+        ws = [out[n] for n in names if n in out]
+        if ws and not (all(_key_row_layout(w) for w in ws)
+                       and all(w.stride() == ws[0].stride() for w in ws)):
+            out.update({n: out[n].contiguous() for n in names if n in out})
+    return out
 
 
 def decode_probs(lib, x, p, mask, pre, post, masked):
@@ -733,7 +772,8 @@ def decode_probs(lib, x, p, mask, pre, post, masked):
     contiguous one-byte (bool) array (B|1, 1|N, S|1), True = attend, or None; pre, post
     each a dict of the spec's terms (names of ``CACHED_TERMS``, float32 contiguous): qw1,
     qw2 (B, 1, G, R, M), qdd (B, 1, G, M), static (G, M, M), and the key side in the decode
-    cache's layout, kw1, kw2 (B, S, G, R, M), kdd (B, S, G, M); or None."""
+    cache's layout, kw1, kw2 (B, S, G, R, M), kdd (B, S, G, M) (``decode_terms`` makes
+    them); or None."""
     B, G, M, S = x.shape
     m = [None, 1, 1, 1] if mask is None else [mask.data_ptr(), *mask.shape]
     if lib.dcmha_decode_probs(B, G, M, S, x.data_ptr(), p.data_ptr(), *m, masked,

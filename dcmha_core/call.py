@@ -13,6 +13,7 @@ framework. Shapes use the spec's letters: B, T, S, N, N_kv, G, M, d, d_v, R.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Tuple
 
@@ -123,13 +124,27 @@ def _check_groups(num_groups, N):
 def check_terms(stage: str, terms: Mapping, B, T, S, G, M) -> Optional[int]:
     """Names, pairs and shapes of one stage's compose terms; returns their rank R (or None).
 
-    The names, sides and shapes come from ``dcmha.spec.terms.COMPOSE_TERMS``.
+    The names, sides and shapes come from ``dcmha.spec.terms.COMPOSE_TERMS``. The
+    checks of one set of names and shapes run once (``_check_term_shapes``): a
+    decoding step repeats the same ones every layer and token.
     """
-    label = (lambda n: f"{stage}['{n}']") if stage else (lambda n: n)
     if not isinstance(terms, Mapping):
         raise TypeError(f"`{stage}` must be None or a dict of compose terms. "
                         f"Received: {type(terms).__name__}")
-    unknown = sorted(set(terms) - set(spec_terms.TERM_NAMES))
+    shapes = []
+    for name, x in terms.items():
+        if not hasattr(x, "shape"):
+            _check_term_names(stage, terms)
+            label = f"{stage}['{name}']" if stage else name
+            raise TypeError(f"`{label}` must be an array. Received: {type(x).__name__}")
+        shapes.append((name, shape_of(x)))
+    return _check_term_shapes(stage, tuple(sorted(shapes, key=lambda t: str(t[0]))),
+                              (B, T, S, G, M))
+
+
+def _check_term_names(stage: str, terms) -> None:
+    """Every name of ``terms`` a compose term, and the pairs (qw1 / qw2 ...) complete."""
+    unknown = sorted(set(terms) - set(spec_terms.TERM_NAMES), key=str)
     if unknown:
         raise ValueError(f"`{stage}` has unknown compose terms {unknown}. Expected a subset of "
                          f"{sorted(spec_terms.TERM_NAMES)}")
@@ -138,16 +153,20 @@ def check_terms(stage: str, terms: Mapping, B, T, S, G, M) -> Optional[int]:
         if len(present) == 1:
             raise ValueError(f"`{stage}` must have both '{a}' and '{b}' or neither. "
                              f"Received: {present}")
-    sizes = {"B": B, "T": T, "S": S, "G": G, "M": M}
+
+
+@functools.lru_cache(maxsize=256)
+def _check_term_shapes(stage: str, shapes: tuple, dims: tuple) -> Optional[int]:
+    """``check_terms`` on ((name, shape), ...) and dims (B, T, S, G, M)."""
+    label = (lambda n: f"{stage}['{n}']") if stage else (lambda n: n)
+    terms = dict(shapes)
+    _check_term_names(stage, terms)
+    sizes = dict(zip("BTSGM", dims))
     R = None
     for term in spec_terms.COMPOSE_TERMS:
         if term.name not in terms:
             continue
-        x = terms[term.name]
-        if not hasattr(x, "shape"):
-            raise TypeError(f"`{label(term.name)}` must be an array. "
-                            f"Received: {type(x).__name__}")
-        shape = shape_of(x)
+        shape = terms[term.name]
         expected = spec_terms.term_shape(term.name, sizes)       # R free until a term sets it
         if not _fits(shape, expected):
             free = {i: letter for i, letter in enumerate(term.shape)

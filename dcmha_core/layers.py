@@ -170,14 +170,6 @@ def _call_flag(name, value, traced_ok=False):
     raise ValueError(f"`{name}` must be a boolean. Received: {name}={value!r}")
 
 
-def _stack(arrays, axis):
-    return ops.stack(arrays, axis=axis)
-
-
-def _unstack(x, axis, num):
-    return ops.unstack(x, num=num, axis=axis)
-
-
 def _on_keras_device(*values):
     """``values`` with every torch tensor among them (and in a cache dict) on Keras's device.
 
@@ -1270,13 +1262,13 @@ class DCMHA(keras.layers.Layer):
                 write("key", k)
                 write("value", v)
                 for name, w in spec_terms.pack_key_weights(kdyn, self._key_slots,
-                                                           stack=_stack).items():
+                                                           stack=dops.stack).items():
                     write(name, w)
             k = dops.as_dtype(new_cache["key"], "float32")
             v = dops.as_dtype(new_cache["value"], "float32")
             kdyn = spec_terms.unpack_key_weights(
                 {n: dops.as_dtype(new_cache[n], "float32") for n in spec_terms.KEY_CACHE
-                 if n in new_cache}, self._key_slots, unstack=_unstack)
+                 if n in new_cache}, self._key_slots, unstack=dops.unstack)
 
         mask, causal = self._attention_mask(
             *inputs, attention_mask, query_mask, value_mask, key_mask, causal, T,

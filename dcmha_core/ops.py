@@ -101,6 +101,18 @@ def _eager_torch(*arrays):
     return torch
 
 
+def stack(arrays, axis):
+    """``ops.stack``; eager PyTorch calls ``torch.stack`` (see ``_eager_torch``)."""
+    torch = _eager_torch(*arrays)
+    return torch.stack(list(arrays), axis) if torch else ops.stack(arrays, axis=axis)
+
+
+def unstack(x, axis, num):
+    """The ``num`` slices of x along ``axis``: ``ops.unstack``; eager PyTorch takes
+    ``unbind``'s views (see ``_eager_torch``)."""
+    return x.unbind(axis) if _eager_torch(x) else ops.unstack(x, num=num, axis=axis)
+
+
 def write_slice(entry, index, update):
     """``entry`` with ``update`` written at [:, index:index + n] (a new tensor; ``entry``
     is unchanged), cast to ``entry``'s dtype: ``ops.slice_update``. In eager PyTorch

@@ -292,6 +292,48 @@ def test_jax_decode_probs_and_gradient_are_the_plain_forms(reference_case, mask_
         np.testing.assert_array_equal(np_(pre_only)[0][~seen], 0.0)
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="the torch_decode kernel call (ctypes)")
+@pytest.mark.parametrize("B", [1, 2])
+def test_torch_kernel_reads_the_stacked_cache_entries_in_place(reference_case, B):
+    """The kernel reads each slot's key-side terms as views into the cache's stacked
+    entries (``cpu_kernel.decode_terms`` keeps them, ``key_row`` gives their stride): the
+    probabilities are those of contiguous copies and of ``dcmha.ops.one_query_probs``."""
+    import torch
+
+    from dcmha.backends import cpu_kernel
+    from dcmha.spec import terms as spec_terms
+    lib = cpu_kernel.load()
+    if lib is None:
+        pytest.skip(f"no compiled kernel: {cpu_kernel.unavailable_reason()}")
+    kwargs = dict(num_heads=4, key_dim=8, num_groups=2, static_compose=True)
+    *_, terms, _ = _core_case(reference_case, kwargs, 4, 7)
+    terms = {st: {n: w[:B] if w.ndim > 3 else w for n, w in tm.items()}     # case's B = 2
+             for st, tm in terms.items()}
+    kdyn = {f"{st}_key": {n[1:]: torch.as_tensor(w) for n, w in tm.items()
+                          if n.startswith("k")} for st, tm in terms.items()}
+    slots = list(kdyn)
+    entries = spec_terms.pack_key_weights(kdyn, slots, stack=torch.stack)
+    views = spec_terms.unpack_key_weights(entries, slots, unstack=lambda a, ax, n: a.unbind(ax))
+    stages = {st: {n: (views[f"{st}_key"][n[1:]] if n.startswith("k") else torch.as_tensor(w))
+                   for n, w in tm.items()} for st, tm in terms.items()}
+    assert not stages["pre"]["kw1"].is_contiguous()
+    kept = cpu_kernel.decode_terms(stages["pre"])
+    assert kept["kw1"].data_ptr() == stages["pre"]["kw1"].data_ptr()          # no copy
+    assert cpu_kernel.key_row(kept["kw1"]) == 4 * 2 * 2 * 2      # 2 C_k slices of (G, R, M)
+    x = torch.as_tensor(np.random.default_rng(6).normal(size=(B, 2, 2, 7)) * 3,
+                        dtype=torch.float32)
+
+    def probs(st):
+        return cpu_kernel.decode_probs(lib, x, torch.empty_like(x), None,
+                                       cpu_kernel.decode_terms(st["pre"]),
+                                       cpu_kernel.decode_terms(st["post"]),
+                                       spec_terms.MASKED_SCORE)
+    got = probs(stages)
+    copies = {st: {n: w.contiguous() for n, w in tm.items()} for st, tm in stages.items()}
+    np.testing.assert_array_equal(got.numpy(), probs(copies).numpy())
+    assert_close(got, dops.one_query_probs(x, None, stages["pre"], stages["post"], 2))
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="torch_decode's gradient rule")
 def test_torch_decode_records_gradients_without_the_kernel(reference_case, monkeypatch):
     """A step whose inputs require gradients runs PyTorch's ops (the kernel records none):

@@ -404,12 +404,13 @@ void dcmha_fill_args(Args *a, const int64_t *d, int64_t R, const float *x, const
     }
 }
 
-/* dst (B, G, rest, S) from src (B, S, G, rest). */
+/* dst (B, G, rest, S) from src (B, S, G, rest) whose key positions lie `row` floats apart
+   (G * rest when contiguous; more for one slot's part of the decode cache's stacked entry). */
 static void keys_last(const float *src, int64_t B, int64_t S, int64_t G, int64_t rest,
-                      float *dst) {
+                      int64_t row_stride, float *dst) {
     for (int64_t b = 0; b < B; b++)
         for (int64_t s = 0; s < S; s++) {
-            const float *row = src + (b * S + s) * G * rest;
+            const float *row = src + (b * S + s) * row_stride;
             float *o = dst + b * G * rest * S + s;
             for (int64_t i = 0; i < G * rest; i++) o[i * S] = row[i];
         }
@@ -420,17 +421,20 @@ int64_t dcmha_cached_scratch(int64_t B, int64_t G, int64_t M, int64_t S, int64_t
     return (has_kw ? 2 * B * G * R * M * S : 0) + (has_kdd ? B * G * M * S : 0);
 }
 
-void dcmha_cached_args(Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int64_t S,
-                       int64_t R, const float *x, float *out, const float *wq, int64_t wq_b,
-                       int64_t wq_t, const float *kw1, const float *kw2, const float *kdd,
-                       float *scratch) {
+/* dcmha_cached_args with the key positions of kw1 / kw2 kw_row floats apart and those of
+   kdd kd_row apart (0: contiguous). */
+static void cached_args_rows(Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int64_t S,
+                             int64_t R, const float *x, float *out, const float *wq,
+                             int64_t wq_b, int64_t wq_t, const float *kw1, const float *kw2,
+                             const float *kdd, int64_t kw_row, int64_t kd_row,
+                             float *scratch) {
     const int64_t n_kw = kw1 ? B * G * R * M * S : 0;
     float *k1 = scratch, *k2 = scratch + n_kw, *kd = scratch + 2 * n_kw;
     if (kw1) {
-        keys_last(kw1, B, S, G, R * M, k1);
-        keys_last(kw2, B, S, G, R * M, k2);
+        keys_last(kw1, B, S, G, R * M, kw_row ? kw_row : G * R * M, k1);
+        keys_last(kw2, B, S, G, R * M, kw_row ? kw_row : G * R * M, k2);
     }
-    if (kdd) keys_last(kdd, B, S, G, M, kd);
+    if (kdd) keys_last(kdd, B, S, G, M, kd_row ? kd_row : G * M, kd);
     const int64_t d[5] = {B, G, M, T, S};
     const int64_t flags = (wq ? DCMHA_HAS_WQ : 0) | (kw1 ? DCMHA_HAS_KW : 0)
                           | (kdd ? DCMHA_HAS_KDD : 0);
@@ -441,6 +445,13 @@ void dcmha_cached_args(Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int6
         a->wq_g = wq_t * M * M;
         a->wq_i = wq_t == 1 ? 0 : M * M;
     }
+}
+
+void dcmha_cached_args(Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int64_t S,
+                       int64_t R, const float *x, float *out, const float *wq, int64_t wq_b,
+                       int64_t wq_t, const float *kw1, const float *kw2, const float *kdd,
+                       float *scratch) {
+    cached_args_rows(a, B, G, M, T, S, R, x, out, wq, wq_b, wq_t, kw1, kw2, kdd, 0, 0, scratch);
 }
 
 /* wq (B, T, G, M, M): wq[n, m] = [n == m] (1 + qdd[n]) + sum_r qw1[r, m] qw2[r, n]
@@ -463,10 +474,12 @@ static void query_matrix(int64_t B, int64_t T, int64_t G, int64_t M, int64_t R,
     }
 }
 
-int dcmha_compose_cached(int64_t B, int64_t G, int64_t M, int64_t T, int64_t S, int64_t Rq,
-                         int64_t Rk, const float *x, float *out, const float *qw1,
-                         const float *qw2, const float *qdd, const float *st,
-                         const float *kw1, const float *kw2, const float *kdd) {
+/* dcmha_compose_cached with key rows kw_row / kd_row floats apart (0: contiguous). */
+static int compose_cached_rows(int64_t B, int64_t G, int64_t M, int64_t T, int64_t S,
+                               int64_t Rq, int64_t Rk, const float *x, float *out,
+                               const float *qw1, const float *qw2, const float *qdd,
+                               const float *st, const float *kw1, const float *kw2,
+                               const float *kdd, int64_t kw_row, int64_t kd_row) {
     const int64_t n_wq = (qw1 || qdd || st) ? B * T * G * M * M : 0;
     const int64_t n = n_wq + dcmha_cached_scratch(B, G, M, S, Rk, kw1 != 0, kdd != 0);
     float *scratch = n ? (float *)malloc(sizeof(float) * (size_t)n) : 0;
@@ -474,10 +487,19 @@ int dcmha_compose_cached(int64_t B, int64_t G, int64_t M, int64_t T, int64_t S, 
     float *wq = n_wq ? scratch : 0;
     if (wq) query_matrix(B, T, G, M, Rq, qw1, qw2, qdd, st, wq);
     Args a;
-    dcmha_cached_args(&a, B, G, M, T, S, Rk, x, out, wq, B, T, kw1, kw2, kdd, scratch + n_wq);
+    cached_args_rows(&a, B, G, M, T, S, Rk, x, out, wq, B, T, kw1, kw2, kdd, kw_row, kd_row,
+                     scratch + n_wq);
     const int failed = dcmha_compose_forward(&a);
     free(scratch);
     return failed;
+}
+
+int dcmha_compose_cached(int64_t B, int64_t G, int64_t M, int64_t T, int64_t S, int64_t Rq,
+                         int64_t Rk, const float *x, float *out, const float *qw1,
+                         const float *qw2, const float *qdd, const float *st,
+                         const float *kw1, const float *kw2, const float *kdd) {
+    return compose_cached_rows(B, G, M, T, S, Rq, Rk, x, out, qw1, qw2, qdd, st, kw1, kw2, kdd,
+                               0, 0);
 }
 
 /* The rows of x (n rows of S) as softmax(where(mask, x, masked)) into p (p may be x); row i
@@ -512,17 +534,20 @@ int dcmha_decode_probs(int64_t B, int64_t G, int64_t M, int64_t S, const float *
                        float masked, int64_t pre_rq, int64_t pre_rk, const float *pre_qw1,
                        const float *pre_qw2, const float *pre_qdd, const float *pre_static,
                        const float *pre_kw1, const float *pre_kw2, const float *pre_kdd,
+                       int64_t pre_kw_row, int64_t pre_kd_row,
                        int64_t post_rq, int64_t post_rk, const float *post_qw1,
                        const float *post_qw2, const float *post_qdd, const float *post_static,
-                       const float *post_kw1, const float *post_kw2, const float *post_kdd) {
+                       const float *post_kw1, const float *post_kw2, const float *post_kdd,
+                       int64_t post_kw_row, int64_t post_kd_row) {
     const int has_pre = pre_qw1 || pre_qdd || pre_static || pre_kw1 || pre_kdd;
     const int has_post = post_qw1 || post_qdd || post_static || post_kw1 || post_kdd;
     float *tmp = has_post ? (float *)malloc(sizeof(float) * (size_t)(B * G * M * S)) : 0;
     if (has_post && !tmp) return 1;
     float *probs = has_post ? tmp : p;       /* the softmax's output */
     if (has_pre) {                           /* composed scores, straight into probs */
-        if (dcmha_compose_cached(B, G, M, 1, S, pre_rq, pre_rk, x, probs, pre_qw1, pre_qw2,
-                                 pre_qdd, pre_static, pre_kw1, pre_kw2, pre_kdd)) {
+        if (compose_cached_rows(B, G, M, 1, S, pre_rq, pre_rk, x, probs, pre_qw1, pre_qw2,
+                                pre_qdd, pre_static, pre_kw1, pre_kw2, pre_kdd, pre_kw_row,
+                                pre_kd_row)) {
             free(tmp);
             return 1;
         }
@@ -531,9 +556,9 @@ int dcmha_decode_probs(int64_t B, int64_t G, int64_t M, int64_t S, const float *
     masked_softmax(x, probs, B, G * M, S, mask, mask_b, mask_n, mask_s, masked);
     int failed = 0;
     if (has_post)
-        failed = dcmha_compose_cached(B, G, M, 1, S, post_rq, post_rk, probs, p, post_qw1,
-                                      post_qw2, post_qdd, post_static, post_kw1, post_kw2,
-                                      post_kdd);
+        failed = compose_cached_rows(B, G, M, 1, S, post_rq, post_rk, probs, p, post_qw1,
+                                     post_qw2, post_qdd, post_static, post_kw1, post_kw2,
+                                     post_kdd, post_kw_row, post_kd_row);
     free(tmp);
     return failed;
 }

@@ -47,9 +47,9 @@ static int dcmha_probs(const int64_t *x_dims, const float *x, float *p, const ui
     return dcmha_decode_probs(d[0], d[1], d[2], d[3], x, p, mask, mask ? mask_dims[0] : 1,
                               mask ? mask_dims[1] : 1, mask ? mask_dims[2] : 1, masked,
                               pre.rq, pre.rk, pre.t[0], pre.t[1], pre.t[2], pre.t[3],
-                              pre.t[4], pre.t[5], pre.t[6], post.rq, post.rk, post.t[0],
-                              post.t[1], post.t[2], post.t[3], post.t[4], post.t[5],
-                              post.t[6]);
+                              pre.t[4], pre.t[5], pre.t[6], 0, 0, post.rq, post.rk,
+                              post.t[0], post.t[1], post.t[2], post.t[3], post.t[4],
+                              post.t[5], post.t[6], 0, 0);
 }
 
 /* Gradient buffers: zeroed (the kernel accumulates), then attached where present. */

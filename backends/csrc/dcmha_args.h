@@ -92,15 +92,19 @@ DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_compose_cached(
    (p must not alias x). Each stage's terms as dcmha_compose_cached's (T = 1), all NULL for
    an absent stage. mask (mask_b, mask_n, mask_s), 1 = attend, with mask_b in {1, B}, mask_n
    in {1, G M} and mask_s in {1, S} (a size-1 axis broadcast), or NULL. The softmax is in
-   float32 and subtracts the row's maximum. 0 on success, 1 when out of memory. */
+   float32 and subtracts the row's maximum. Each stage's kw_row / kd_row: how many floats
+   apart the key positions of its kw1 / kw2 and of its kdd lie (each position's (G, ...)
+   block contiguous, batch b at b S row), as in one slot's part of the decode cache's
+   stacked entries; 0 for contiguous terms. 0 on success, 1 when out of memory. */
 DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_decode_probs(
     int64_t B, int64_t G, int64_t M, int64_t S, const float *x, float *p, const uint8_t *mask,
     int64_t mask_b, int64_t mask_n, int64_t mask_s, float masked, int64_t pre_rq,
     int64_t pre_rk, const float *pre_qw1, const float *pre_qw2, const float *pre_qdd,
     const float *pre_static, const float *pre_kw1, const float *pre_kw2, const float *pre_kdd,
+    int64_t pre_kw_row, int64_t pre_kd_row,
     int64_t post_rq, int64_t post_rk, const float *post_qw1, const float *post_qw2,
     const float *post_qdd, const float *post_static, const float *post_kw1,
-    const float *post_kw2, const float *post_kdd);
+    const float *post_kw2, const float *post_kdd, int64_t post_kw_row, int64_t post_kd_row);
 
 /* The dynamic composition weights of BL rows x (BL, D), float32, for the terms present:
    with dw1 (D, GC K) and qkw (GC, K, 2 R, M), h = gelu(x dw1) (tanh approximation when

@@ -108,11 +108,12 @@ def _one_query(call):
     vis = _visible(call, S, q.device)                                   # (B|1, 1, S) or None
     lib = _kernel(x, pre, post)
     if lib is not None:          # both composes and the masked softmax in one kernel call
-        contiguous = lambda terms: {n: w.contiguous() for n, w in terms.items()}  # noqa: E731
+        # the key-side terms as the cache's stacked entries hold them (no copies)
         p = cpu_kernel.decode_probs(lib, x.contiguous(),
                                     torch.empty((B, G, M, S), dtype=torch.float32),
                                     None if vis is None else vis.contiguous(),
-                                    contiguous(pre), contiguous(post), spec_terms.MASKED_SCORE)
+                                    cpu_kernel.decode_terms(pre), cpu_kernel.decode_terms(post),
+                                    spec_terms.MASKED_SCORE)
     else:
         if pre:
             x = compose(x, pre)
