@@ -340,31 +340,31 @@ class _Body:
         q, k = e.op("Split", qk, e.i64(N, N_kv), axis=2, outputs=2)
         return q, k, e.reshape(outs["v"], 0, 0, N_kv, d_v), positions, outs
 
-    def stack(self, parts, axis):
-        """``np.stack`` in ONNX: Unsqueeze each part at ``axis``, then one Concat."""
-        e = self.e
-        return e.op("Concat", *[e.op("Unsqueeze", p, e.i64(axis)) for p in parts], axis=axis)
-
     def unstack(self, x, axis, num):
         """The ``num`` slices of x along ``axis`` (that axis dropped): one Gather each."""
         return [self.e.op("Gather", x, self.e.const(j, TensorProto.INT64), axis=axis)
                 for j in range(num)]
 
-    def dynamic(self, x, D, prefix, names, pick=None, pre=None):
+    def dynamic(self, x, D, prefix, names, pick=None, pre=None, packed=None):
         """Dynamic weights of slots ``names`` from x (B, L, D): {slot: {"w1","w2","dd"}}.
 
         ``pick`` selects (by index) a subset of the projection's C slots, for a
         self-attention layer whose query and key inputs are different tensors.
         ``pre`` holds x's products with the dw1 / dd kernels where the caller made
-        them (``fused_projections``).
+        them (``fused_projections``). ``packed`` (slots of ``names``): their weights
+        come stacked as the decode cache holds them (``spec.terms.KEY_CACHE``), made
+        from the projection's output in a few nodes instead of one per slot and weight;
+        returns (weights of the other slots, {"key_w", "key_dd"}).
         """
         pre = pre or {}
         e, cfg = self.e, self.cfg
         G, M, R, K = cfg.G, cfg.M, cfg.R, cfg.K
         C = len(names) if pick is None else len(ref.slots(cfg))
-        out = {s: {} for s in names}
+        out = {s: {} for s in names if s not in (packed or ())}
+        entries = {}
         if not names:
-            return out
+            return out if packed is None else (out, entries)
+        at = e.i64(*[names.index(s) for s in packed]) if packed else None
         sel = e.i64(*pick) if pick is not None else None
         Cs = len(names)
         if cfg.dynamic_projection:
@@ -385,8 +385,14 @@ class _Body:
             w1 = self.rms(e.op("Slice", w, e.i64(0), e.i64(R), e.i64(4)), ref.W1_NORM_EPS)
             w2 = e.op("Slice", w, e.i64(R), e.i64(2 * R), e.i64(4))
             for c, s in enumerate(names):
-                out[s]["w1"] = e.op("Gather", w1, e.const(c, TensorProto.INT64), axis=3)
-                out[s]["w2"] = e.op("Gather", w2, e.const(c, TensorProto.INT64), axis=3)
+                if s in out:
+                    out[s]["w1"] = e.op("Gather", w1, e.const(c, TensorProto.INT64), axis=3)
+                    out[s]["w2"] = e.op("Gather", w2, e.const(c, TensorProto.INT64), axis=3)
+            if at is not None:   # (B, L, G, C, 2R, M) -> (B, L, C_k, 2, G, R, M) -> key_w
+                both = e.op("Gather", e.op("Concat", w1, w2, axis=4), at, axis=3)
+                both = e.op("Transpose", e.reshape(both, 0, 0, G, len(packed), 2, R, M),
+                            perm=[0, 1, 3, 4, 2, 5, 6])
+                entries["key_w"] = e.reshape(both, 0, 0, 2 * len(packed), G, R, M)
         if cfg.dynamic_gating:
             dd = self.w[prefix + "dd"]
             if sel is not None:
@@ -394,8 +400,12 @@ class _Body:
             g = e.op("Tanh", pre.get("dd") or e.op("MatMul", x, e.reshape(dd, D, G * Cs * M)))
             g = e.reshape(g, 0, 0, G, Cs, M)
             for c, s in enumerate(names):
-                out[s]["dd"] = e.op("Gather", g, e.const(c, TensorProto.INT64), axis=3)
-        return out
+                if s in out:
+                    out[s]["dd"] = e.op("Gather", g, e.const(c, TensorProto.INT64), axis=3)
+            if at is not None:   # (B, L, G, C_k, M) -> key_dd (B, L, C_k, G, M)
+                entries["key_dd"] = e.op("Transpose", e.op("Gather", g, at, axis=3),
+                                         perm=[0, 1, 3, 2, 4])
+        return out if packed is None else (out, entries)
 
     # -- compose -----------------------------------------------------------
     # Compose works on x in the layout (B, G, T, M, S). Per query position t
@@ -568,6 +578,8 @@ class _Body:
         if cfg.cross_attention:
             qdyn = self.dynamic(query, self.D_q, "query_", qs)
             kdyn = self.dynamic(key, self.D_kv, "key_", ks)
+        elif key == query and call.decode:     # the key side as the cache stacks it
+            qdyn, entries = self.dynamic(query, self.D_q, "", all_slots, pre=pre, packed=ks)
         elif key == query:
             both = self.dynamic(query, self.D_q, "", all_slots, pre=pre)
             qdyn = {s: both[s] for s in qs}
@@ -593,8 +605,8 @@ class _Body:
 
             k = write("key", k)
             v = write("value", v)
-            # the key-side weights as the cache stacks them (spec.terms.KEY_CACHE)
-            entries = spec_terms.pack_key_weights(kdyn, ks, stack=self.stack)
+            # the key-side weights as the cache stacks them (spec.terms.KEY_CACHE), made by
+            # ``dynamic`` (a decode step is self-attention: ``check_call``)
             kdyn = spec_terms.unpack_key_weights(
                 {n: write(n, t) for n, t in entries.items()}, ks, unstack=self.unstack)
 
