@@ -64,7 +64,9 @@ def to_onnx(obj, path, *, opset: Optional[int] = None, dynamic: bool = True,
             (any ONNX runtime runs it), which an onnxruntime session that registers
             ``dcmha.export.ort_ops`` (``dcmha.export.session`` does) runs as the
             compiled compose kernel, about 1.5x faster per layer on a CPU
-            (benchmarks/RESULTS.md). False: the composes inline as plain ops (the
+            (benchmarks/RESULTS.md); the same holds for the RoPE of the query and key
+            heads (``dcmha.Rope``) and a decode step's cache reads
+            (``dcmha.CacheHeads``). False: all of these inline as plain ops (the
             fastest graph for a runtime without the kernel).
 
     Graph names: a layer has inputs query [, value, key] [, attention_mask] and

@@ -69,8 +69,10 @@ COMPOSE_OPS = ("ComposeQ", "ComposeK", "ComposeD", "ComposeQK", "ComposeQD", "Co
                "ComposeQKD")
 #: A decode step's key / value cache range, heads first (``cache_heads_function``), by dtype.
 CACHE_OPS = {"float32": "CacheHeads", "float16": "CacheHeads16"}
+#: The rotate-half RoPE of the query and key heads (``rope_function``), by dtype.
+ROPE_OPS = {"float32": "Rope", "float16": "Rope16"}
 #: Every op of the ``dcmha`` domain that ``dcmha.export.ort_ops`` runs as compiled code.
-KERNEL_OPS = COMPOSE_OPS + tuple(CACHE_OPS.values())
+KERNEL_OPS = COMPOSE_OPS + tuple(CACHE_OPS.values()) + tuple(ROPE_OPS.values())
 #: Queries per chunk of the chunked attention (``attend_chunks``) unless the
 #: configuration sets ``query_chunk_size``: with plain-op composes, and with Compose nodes
 #: (the kernel leaves less work per chunk, so fewer, larger chunks pay: benchmarks/RESULTS.md).
@@ -270,19 +272,17 @@ class _Body:
         return e.cast(y, F, self.ft)
 
     def rope(self, x, positions):
-        """Rotate-half RoPE of x (B, L, H, d) at int64 positions (L,); angles in float64."""
-        e, cfg = self.e, self.cfg
-        d = cfg.d
-        half = d // 2
-        inv_freq = cfg.rope_max_wavelength ** (-np.arange(half, dtype=np.float64) * 2.0 / d)
-        pos = e.op("Unsqueeze", e.op("Cast", positions, to=TensorProto.DOUBLE), e.i64(1))
-        angle = e.op("Mul", pos, self.c(inv_freq[None, :], TensorProto.DOUBLE))       # (L, d/2)
-        cos = e.op("Unsqueeze", e.op("Cast", e.op("Cos", angle), to=self.ft), e.i64(1))  # (L,1,d/2)
-        sin = e.op("Unsqueeze", e.op("Cast", e.op("Sin", angle), to=self.ft), e.i64(1))
-        x1 = e.op("Slice", x, e.i64(0), e.i64(half), e.i64(-1))
-        x2 = e.op("Slice", x, e.i64(half), e.i64(d), e.i64(-1))
-        return e.op("Concat", e.op("Sub", e.op("Mul", x1, cos), e.op("Mul", x2, sin)),
-                    e.op("Add", e.op("Mul", x2, cos), e.op("Mul", x1, sin)), axis=-1)
+        """Rotate-half RoPE of x (B, L, H, d) at int64 positions (L,); angles in float64.
+        With kernel nodes (``compose_nodes``) one ``dcmha.Rope`` / ``Rope16`` node
+        (``rope_function``), else its plain ops."""
+        cfg = self.cfg
+        inv_freq = cfg.rope_max_wavelength ** (-np.arange(cfg.d // 2, dtype=np.float64) * 2.0 / cfg.d)
+        inv = self.e.const(inv_freq, TensorProto.DOUBLE)
+        if self.compose_nodes:
+            name = ROPE_OPS["float16" if self.ft == TensorProto.FLOAT16 else "float32"]
+            return self.e.op(name, x, positions, inv, domain=DOMAIN)
+        return _rope_ops(self.e, x, positions, inv, self.e.i64(cfg.d // 2), self.e.i64(cfg.d),
+                         self.ft)
 
     # -- projections -------------------------------------------------------
     def project(self, x, kernel, bias, D, H, hd):
@@ -912,8 +912,43 @@ def cache_heads_function(name: str, opset: Optional[int] = None) -> onnx.Functio
                                 doc_string=cache_heads_function.__doc__.split(":", 1)[1].strip())
 
 
+def _rope_ops(e: "Emitter", x: str, positions: str, inv_freq: str, half: str, d: str,
+              ft: int) -> str:
+    """The rotate-half RoPE of x (B, L, H, d), type ft, at int64 positions (L,), with
+    inv_freq (d/2,) float64, in plain ops: angles in float64, their cos and sin in ft.
+    half, d: int64 (1,) tensors, d / 2 and d."""
+    x1 = e.op("Slice", x, e.i64(0), half, e.i64(-1))
+    x2 = e.op("Slice", x, half, d, e.i64(-1))
+    pos = e.op("Unsqueeze", e.op("Cast", positions, to=TensorProto.DOUBLE), e.i64(1))
+    angle = e.op("Mul", pos, e.op("Unsqueeze", inv_freq, e.i64(0)))               # (L, d/2)
+    cos = e.op("Unsqueeze", e.op("Cast", e.op("Cos", angle), to=ft), e.i64(1))    # (L, 1, d/2)
+    sin = e.op("Unsqueeze", e.op("Cast", e.op("Sin", angle), to=ft), e.i64(1))
+    return e.op("Concat", e.op("Sub", e.op("Mul", x1, cos), e.op("Mul", x2, sin)),
+                e.op("Add", e.op("Mul", x2, cos), e.op("Mul", x1, sin)), axis=-1)
+
+
+def rope_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProto:
+    """The local function ``dcmha.Rope`` (float32) / ``Rope16`` (float16): (x (B, L, H, d),
+    positions (L,) int64, inv_freq (d/2,) float64) -> the rotate-half RoPE of x, with the
+    angles positions[l] inv_freq[j] in float64 and their cos / sin in x's type. The
+    compiled op keeps the cos / sin rows of the positions it has seen."""
+    if name not in ROPE_OPS.values():
+        raise ValueError(f"Not a Rope op name: {name!r} (expected one of "
+                         f"{sorted(ROPE_OPS.values())}).")
+    ft = DTYPES[next(k for k, v in ROPE_OPS.items() if v == name)]
+    e = Emitter()
+    d = e.op("Shape", "x", start=3, end=4)
+    out = _rope_ops(e, "x", "positions", "inv_freq", e.op("Div", d, e.i64(2)), d, ft)
+    rename_value(e.nodes, out, "out")
+    return helper.make_function(DOMAIN, name, ["x", "positions", "inv_freq"], ["out"], e.nodes,
+                                [helper.make_opsetid("", check_opset(opset))],
+                                doc_string=rope_function.__doc__.split(":", 1)[1].strip())
+
+
 def kernel_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProto:
     """The local function of one of ``KERNEL_OPS``."""
+    if name in ROPE_OPS.values():
+        return rope_function(name, opset)
     return (cache_heads_function if name in CACHE_OPS.values() else compose_function)(name, opset)
 
 

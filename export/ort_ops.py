@@ -1,5 +1,6 @@
 """The dcmha compose kernel inside onnxruntime: the custom-op library for ``Compose*`` nodes
-(and the ``CacheHeads*`` copies of a decode step).
+(and the ``CacheHeads*`` copies of a decode step, and the ``Rope*`` rotations of the query
+and key heads).
 
 A graph exported with ``compose_nodes=True`` writes each compose as one ``dcmha.Compose*``
 node (``ComposeQ`` ... ``ComposeQKD``: which terms it has). Each is also a model-local

@@ -233,7 +233,7 @@ def test_plain_export_has_no_compose_nodes_and_agrees():
     nodes = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True))
     assert [f.name for f in plain.functions] == ["DCMHA"]
     assert core.kernel_ops_used(plain.functions[0].node) == []
-    assert [f.name for f in nodes.functions] == ["DCMHA", "ComposeQKD"]
+    assert [f.name for f in nodes.functions] == ["DCMHA", "ComposeQKD", "Rope"]
     want = ref.attention(p, cfg, x, use_causal_mask=True)
     _close(_run(plain, {"query": x}, True)["output"], want, 1e-5)
     _close(_run(nodes, {"query": x}, True)["output"], want, 1e-5)
@@ -273,20 +273,25 @@ def test_library_is_cached_and_checked():
 # CacheHeads: a decode step's cache range, heads first
 # ---------------------------------------------------------------------------
 
-def _cache_heads_model(dtype):
-    name = core.CACHE_OPS[dtype]
-    ft = core.DTYPES[dtype]
-    ins = [helper.make_tensor_value_info("cache", ft, [None] * 4),
-           helper.make_tensor_value_info("start", TensorProto.INT64, []),
-           helper.make_tensor_value_info("stop", TensorProto.INT64, [])]
-    node = helper.make_node(name, ["cache", "start", "stop"], ["out"], domain=core.DOMAIN)
-    graph = helper.make_graph([node], "cache_heads", ins,
+def _one_op_model(name, ft, inputs):
+    """A graph of one ``dcmha`` kernel op (with its function): inputs [(name, type, shape)]
+    -> out (rank 4, type ft)."""
+    ins = [helper.make_tensor_value_info(n, t, shape) for n, t, shape in inputs]
+    node = helper.make_node(name, [n for n, _, _ in inputs], ["out"], domain=core.DOMAIN)
+    graph = helper.make_graph([node], name, ins,
                               [helper.make_tensor_value_info("out", ft, [None] * 4)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
                                                     helper.make_opsetid(core.DOMAIN, 1)],
                               functions=[core.kernel_function(name)])
     model.ir_version = 8
     return model
+
+
+def _cache_heads_model(dtype):
+    ft = core.DTYPES[dtype]
+    return _one_op_model(core.CACHE_OPS[dtype], ft, [("cache", ft, [None] * 4),
+                                                     ("start", TensorProto.INT64, []),
+                                                     ("stop", TensorProto.INT64, [])])
 
 
 @pytest.mark.parametrize("kernel", KERNEL)
@@ -322,6 +327,63 @@ def test_decode_graph_reads_its_cache_through_cache_heads():
             core.CACHE_OPS[dtype]) == 2
         assert sorted(f.name for f in model.functions) == sorted(
             ["DCMHA", "ComposeQKD", core.CACHE_OPS[dtype]])
+
+
+# ---------------------------------------------------------------------------
+# Rope: the rotate-half RoPE of the query and key heads
+# ---------------------------------------------------------------------------
+
+def _rope_model(dtype):
+    ft = core.DTYPES[dtype]
+    return _one_op_model(core.ROPE_OPS[dtype], ft, [("x", ft, [None] * 4),
+                                                    ("positions", TensorProto.INT64, [None]),
+                                                    ("inv_freq", TensorProto.DOUBLE, [None])])
+
+
+def _rope_reference(x, positions, inv_freq):
+    """The rotate-half RoPE in float64 (spec/reference.py's formula), then x's dtype."""
+    half = x.shape[-1] // 2
+    angle = positions[:, None].astype(np.float64) * inv_freq[None, :]
+    c, s = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    x1, x2 = x[..., :half].astype(np.float64), x[..., half:].astype(np.float64)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rope_kernel_agrees_with_its_body_and_the_formula(dtype):
+    """Positions in any order, repeated, past the ones seen before (the kernel's table grows),
+    far beyond its table and negative; then another inv_freq (the table is rebuilt)."""
+    model = _rope_model(dtype)
+    onnx.checker.check_model(model, full_check=True)
+    kernel, body = (core.session(model, compose_kernel=k) for k in (True, False))
+    rng = np.random.default_rng(11)
+    tol = 1e-6 if dtype == "float32" else 2e-3
+    for positions, wavelength in [([0, 1, 2, 3, 4], 50.0), ([7, 3, 3, 0], 50.0),
+                                  ([40, 41, 1 << 21, -3, 2], 50.0), ([5, 6], 10000.0)]:
+        positions = np.array(positions, np.int64)
+        x = rng.normal(size=(2, len(positions), 3, 6)).astype(core.NP_DTYPES[dtype])
+        inv = wavelength ** (-np.arange(3, dtype=np.float64) * 2.0 / 6)
+        feeds = {"x": x, "positions": positions, "inv_freq": inv}
+        got, = kernel.run(None, feeds)
+        plain, = body.run(None, feeds)
+        assert got.dtype == x.dtype and got.shape == x.shape
+        want = _rope_reference(x, positions, inv)
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
+        # the body's float32 operations (a fused multiply-add may round once where it
+        # rounds twice: a few ulps of the products' size); float16 rounds the result once
+        scale = 4 * np.finfo(x.dtype).eps * float(np.max(np.abs(x)))
+        np.testing.assert_allclose(got.astype(np.float32), plain.astype(np.float32), rtol=0,
+                                   atol=scale)
+
+
+def test_rope_rejects_an_inv_freq_of_the_wrong_length():
+    sess = core.session(_rope_model("float32"))
+    with pytest.raises(Exception, match=r"dcmha Rope: need positions \(L,\) and inv_freq "
+                                        r"\(d/2,\) for x \(B, L, H, d\) = \(1, 2, 3, 6\) with d "
+                                        r"even; received positions \(2,\), inv_freq \(4,\)"):
+        sess.run(None, {"x": np.zeros((1, 2, 3, 6), np.float32),
+                        "positions": np.arange(2, dtype=np.int64),
+                        "inv_freq": np.ones(4, np.float64)})
 
 
 def test_a_library_that_cannot_be_built_warns_once_and_sessions_run_the_bodies(monkeypatch,

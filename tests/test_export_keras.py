@@ -56,7 +56,8 @@ def test_layer_forward_with_mask_and_scores(tmp_path, rich):
                     return_attention_scores=True)
     assert _io(model) == (["query", "attention_mask"], ["output", "attention_scores"])
     assert [(f.domain, f.name) for f in model.functions][0] == ("dcmha", "DCMHA")
-    assert all(f.name.startswith("Compose") for f in model.functions[1:])
+    # the rest: the kernel ops it uses (compose, RoPE), each a function with a plain-op body
+    assert sorted(f.name for f in model.functions[1:]) == ["ComposeQKD", "Rope"]
     mask = np.random.default_rng(1).random((B, T, T)) > 0.3
     mask[1, 2] = False                                   # a fully masked row
     report = verify(path, layer, {"query": x, "attention_mask": mask})
@@ -128,7 +129,7 @@ def test_functional_model_forward_and_decode(tmp_path, lm):
     path = tmp_path / "lm.onnx"
     proto = to_onnx(model, path)
     assert _io(proto) == (["tokens"], ["output"])
-    assert sorted(f.name for f in proto.functions if not f.name.startswith("Compose")) == [
+    assert sorted(f.name for f in proto.functions if f.name not in core.KERNEL_OPS) == [
         "DCMHA", "DCMHA_2"]   # two configurations
     assert [n.name for n in proto.graph.node if n.domain == "dcmha"] == ["attention_0", "attention_1"]
     assert verify(path, model, ids)["max_rel"] < 1e-5

@@ -617,3 +617,81 @@ int dcmha_dynamic_weights(int64_t BL, int64_t D, int64_t GC, int64_t K, int64_t 
     free(h);
     return 0;
 }
+
+/* float16 <-> float32 (round to nearest even; infinities and NaNs kept): the compiler's
+   _Float16 where it has one (F16C instructions under -march=native), else bit by bit. */
+#ifdef __FLT16_MAX__
+static inline float half_to_float(uint16_t h) {
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+static inline uint16_t float_to_half(float f) {
+    const _Float16 v = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &v, 2);
+    return h;
+}
+#else
+static float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0) {   /* zero or subnormal: m 2^-24, exact in float */
+        const float v = (float)m * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    const uint32_t bits = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    const uint32_t a = x & 0x7fffffffu;
+    if (a >= 0x7f800000u) return sign | 0x7c00 | (a > 0x7f800000u ? 0x200 : 0);
+    if (a >= 0x477ff000u) return sign | 0x7c00;   /* >= 65520: past the largest half */
+    if (a < 0x38800000u) {                         /* below 2^-14: subnormal half (or 0) */
+        float v;
+        memcpy(&v, &a, 4);
+        return sign | (uint16_t)nearbyintf(v * 16777216.0f);   /* the product is exact */
+    }
+    uint32_t h = ((a >> 23) - 112) << 10 | ((a & 0x7fffff) >> 13);
+    const uint32_t rest = a & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;   /* a carry moves into the exponent */
+    return sign | (uint16_t)h;
+}
+#endif
+
+void dcmha_round_to_half(float *v, int64_t n) {
+    for (int64_t i = 0; i < n; i++) v[i] = half_to_float(float_to_half(v[i]));
+}
+
+void dcmha_rope_rows(int64_t r0, int64_t r1, int64_t L, int64_t H, int64_t d, const void *x,
+                     void *out, const float *c, const float *s, int f16) {
+    const int64_t h2 = d / 2;
+    float in[d], res[d];
+    for (int64_t r = r0; r < r1; r++) {
+        const float *cr = c + (r % L) * h2, *sr = s + (r % L) * h2;
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t at = (r * H + h) * d;
+            const float *xi = (const float *)x + at;
+            float *o = (float *)out + at;
+            if (f16) {
+                const uint16_t *src = (const uint16_t *)x + at;
+                for (int64_t i = 0; i < d; i++) in[i] = half_to_float(src[i]);
+                xi = in;
+                o = res;
+            }
+            for (int64_t i = 0; i < h2; i++) {
+                const float a = xi[i], b = xi[i + h2];
+                o[i] = a * cr[i] - b * sr[i];
+                o[i + h2] = b * cr[i] + a * sr[i];
+            }
+            if (f16) {
+                uint16_t *dst = (uint16_t *)out + at;
+                for (int64_t i = 0; i < d; i++) dst[i] = float_to_half(res[i]);
+            }
+        }
+    }
+}

@@ -19,6 +19,14 @@
    out (B, H, stop - start, d) = the cache's positions [start, stop), heads first: the
    Slice and Transpose of a decode step's key / value cache in one copy.
 
+       Rope (float32) / Rope16 (float16): (x, positions, inv_freq) -> out
+
+   x, out (B, L, H, d), positions (L,) int64, inv_freq (d / 2,) float64: the rotate-half
+   RoPE. With a = positions[l] inv_freq[j] (float64) and c, s = cos a, sin a rounded to x's
+   type, out[.., j] = x[j] c - x[j + d/2] s and out[.., j + d/2] = x[j + d/2] c + x[j] s
+   (each in float32; Rope16 rounds the result to float16 once). The cos / sin rows of the
+   positions seen are kept per thread (grown on demand), so a call costs the rotation.
+
    The same ops are model-local functions of the exported graph (plain-op bodies,
    dcmha/export/core.py); a session that registers this library runs the kernel instead.
 
@@ -30,7 +38,9 @@
    (KernelContext_ParallelFor, when the onnxruntime serves API version 20 or later).
 
    Compiles on its own: c++ -std=c++17 -O2 -shared -fPIC ort_op.cc compose.o */
+#include <cmath>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -96,7 +106,7 @@ enum : int {
 };
 constexpr uint32_t kParallelApi = 20;   /* an API version that has KernelContext_ParallelFor */
 constexpr int kInvalidArgument = 2, kFail = 1;   /* OrtErrorCode */
-constexpr int kFloat = 1, kFloat16 = 10, kInt64 = 7;   /* ONNX_TENSOR_ELEMENT_DATA_TYPE_* */
+constexpr int kFloat = 1, kFloat16 = 10, kInt64 = 7, kDouble = 11;   /* ONNX_TENSOR_ELEMENT_DATA_TYPE_* */
 /* OrtCustomOp fields read by onnxruntime: those of this version and below. */
 constexpr uint32_t kOpVersion = 16;
 
@@ -128,7 +138,7 @@ struct Tensor {
 
 const char *type_name(int type) {
     return type == kFloat ? "float32" : type == kFloat16 ? "float16" : type == kInt64 ? "int64"
-                                                                                      : "other";
+           : type == kDouble ? "float64" : "other";
 }
 
 OrtStatus *read_input(OrtKernelContext *ctx, size_t i, const char *what, size_t rank,
@@ -164,6 +174,16 @@ OrtStatus *read_input(OrtKernelContext *ctx, size_t i, const char *what, size_t 
         return st;
     t.data = static_cast<const float *>(data);
     return nullptr;
+}
+
+/* The op's output 0 with these dims: its data in data, or an error status. */
+OrtStatus *output(OrtKernelContext *ctx, const int64_t *dims, size_t rank, void *&data) {
+    OrtValue *out = nullptr;
+    OrtStatus *st = api<OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t,
+                                       OrtValue **)>(kKernelContextGetOutput)(ctx, 0, dims, rank,
+                                                                               &out);
+    if (st) return st;
+    return api<OrtStatus *(*)(OrtValue *, void **)>(kGetTensorMutableData)(out, &data);
 }
 
 OrtStatus *mismatch(const char *what, const char *expected, const Tensor &t) {
@@ -219,13 +239,8 @@ OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
         (kdd.dims[0] != B || kdd.dims[1] != S || kdd.dims[2] != G || kdd.dims[3] != M))
         return mismatch("kdd", "(B, S, G, M)", kdd);
 
-    OrtValue *out = nullptr;
-    if ((st = api<OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t,
-                                 OrtValue **)>(kKernelContextGetOutput)(ctx, 0, x.dims, 4, &out)))
-        return st;
     void *out_data = nullptr;
-    if ((st = api<OrtStatus *(*)(OrtValue *, void **)>(kGetTensorMutableData)(out, &out_data)))
-        return st;
+    if ((st = output(ctx, x.dims, 4, out_data))) return st;
     if (B * N * T * S == 0) return nullptr;
 
     /* the key-side terms keys-last, in one scratch buffer per thread */
@@ -288,13 +303,8 @@ OrtStatus *cache_heads(void *kernel, OrtKernelContext *ctx) {
         return status(kInvalidArgument, msg);
     }
     const int64_t L = s1 - s0, dims[4] = {B, H, L, d};
-    OrtValue *out = nullptr;
-    if ((st = api<OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t,
-                                 OrtValue **)>(kKernelContextGetOutput)(ctx, 0, dims, 4, &out)))
-        return st;
     void *out_data = nullptr;
-    if ((st = api<OrtStatus *(*)(OrtValue *, void **)>(kGetTensorMutableData)(out, &out_data)))
-        return st;
+    if ((st = output(ctx, dims, 4, out_data))) return st;
     const char *src = reinterpret_cast<const char *>(cache.data);
     char *dst = static_cast<char *>(out_data);
     const size_t row = (size_t)d * item;
@@ -305,6 +315,109 @@ OrtStatus *cache_heads(void *kernel, OrtKernelContext *ctx) {
                 std::memcpy(dst + ((size_t)((b * H + h) * L + s)) * row, in + (size_t)h * row, row);
         }
     return nullptr;
+}
+
+/* The cos / sin rows (d/2 floats each, float64 angles rounded to float) of positions
+   [0, n) for one inv_freq, per thread: a graph's calls share their positions. */
+struct RopeTable {
+    std::vector<double> inv;
+    std::vector<float> c, s;
+    int64_t n = 0;
+};
+constexpr int64_t kRopeTableFloats = int64_t(1) << 22;   /* per table; later positions: per call */
+
+void rope_row(const double *inv, int64_t half, int64_t p, float *c, float *s) {
+    for (int64_t j = 0; j < half; j++) {
+        const double a = (double)p * inv[j];
+        c[j] = (float)std::cos(a);
+        s[j] = (float)std::sin(a);
+    }
+}
+
+OrtStatus *rope(void *kernel, OrtKernelContext *ctx) {
+    const Op &op = *static_cast<const Op *>(kernel);
+    const int type = (int)op.flags;
+    Tensor x, pos, inv;
+    OrtStatus *st;
+    if ((st = read_input(ctx, 0, "x", 4, x, type))) return st;
+    if ((st = read_input(ctx, 1, "positions", 1, pos, kInt64))) return st;
+    if ((st = read_input(ctx, 2, "inv_freq", 1, inv, kDouble))) return st;
+    const int64_t B = x.dims[0], L = x.dims[1], H = x.dims[2], d = x.dims[3], half = d / 2;
+    if (pos.dims[0] != L || d % 2 || inv.dims[0] != half) {
+        char msg[200];
+        std::snprintf(msg, sizeof msg, "dcmha Rope: need positions (L,) and inv_freq (d/2,) for "
+                      "x (B, L, H, d) = (%lld, %lld, %lld, %lld) with d even; received "
+                      "positions (%lld,), inv_freq (%lld,)", (long long)B, (long long)L,
+                      (long long)H, (long long)d, (long long)pos.dims[0], (long long)inv.dims[0]);
+        return status(kInvalidArgument, msg);
+    }
+    void *out_data = nullptr;
+    if ((st = output(ctx, x.dims, 4, out_data))) return st;
+    if (B * L * H * d == 0) return nullptr;
+
+    /* this call's cos / sin rows (L, half), from the thread's table */
+    const double *invf = reinterpret_cast<const double *>(inv.data);
+    const int64_t *p = reinterpret_cast<const int64_t *>(pos.data);
+    thread_local RopeTable table;
+    if (table.inv.size() != (size_t)half ||
+        std::memcmp(table.inv.data(), invf, sizeof(double) * (size_t)half)) {
+        table.inv.assign(invf, invf + half);
+        table.c.clear();
+        table.s.clear();
+        table.n = 0;
+    }
+    const int64_t most = kRopeTableFloats / half;   /* positions the table may hold */
+    int64_t need = 0;
+    for (int64_t l = 0; l < L; l++)
+        if (p[l] >= need && p[l] < most) need = p[l] + 1;
+    if (need > table.n) {
+        const int64_t n = std::min(most, std::max(need, 2 * table.n));
+        table.c.resize((size_t)(n * half));
+        table.s.resize((size_t)(n * half));
+        for (int64_t i = table.n; i < n; i++)
+            rope_row(invf, half, i, &table.c[(size_t)(i * half)], &table.s[(size_t)(i * half)]);
+        table.n = n;
+    }
+    thread_local std::vector<float> rows;
+    rows.resize((size_t)(2 * L * half));
+    float *cs = rows.data(), *sn = cs + L * half;
+    for (int64_t l = 0; l < L; l++) {
+        float *c = cs + l * half, *s = sn + l * half;
+        if (p[l] >= 0 && p[l] < table.n) {
+            std::memcpy(c, &table.c[(size_t)(p[l] * half)], sizeof(float) * (size_t)half);
+            std::memcpy(s, &table.s[(size_t)(p[l] * half)], sizeof(float) * (size_t)half);
+        } else {
+            rope_row(invf, half, p[l], c, s);
+        }
+        if (type == kFloat16) {   /* the angles' cos / sin in x's type, as the body has them */
+            dcmha_round_to_half(c, half);
+            dcmha_round_to_half(s, half);
+        }
+    }
+    struct Job {
+        const void *x;
+        void *out;
+        const float *c, *s;
+        int64_t L, H, d, rows, parts;
+        int f16;
+    } job{x.data, out_data, cs, sn, L, H, d, B * L, 1, type == kFloat16};
+    auto run = [](void *data, size_t part) {   /* rows [r0, r1) of the B L rows */
+        const Job &j = *static_cast<const Job *>(data);
+        dcmha_rope_rows(j.rows * (int64_t)part / j.parts, j.rows * ((int64_t)part + 1) / j.parts,
+                        j.L, j.H, j.d, j.x, j.out, j.c, j.s, j.f16);
+    };
+    const int64_t work = B * L * H * d;
+    job.parts = g_parallel && work >= 65536 ? std::min<int64_t>(B * L, 8) : 1;
+    if (job.parts > 1)
+        return api<OrtStatus *(*)(OrtKernelContext *, void (*)(void *, size_t), size_t, size_t,
+                                  void *)>(kKernelContextParallelFor)(ctx, run, (size_t)job.parts,
+                                                                      0, &job);
+    run(&job, 0);
+    return nullptr;
+}
+
+int rope_input_type(const OrtCustomOp *o, size_t i) {
+    return i == 0 ? (int)op_of(o).flags : i == 1 ? kInt64 : kDouble;
 }
 
 int cache_heads_input_type(const OrtCustomOp *o, size_t i) {
@@ -354,6 +467,14 @@ constexpr OrtCustomOp cache_heads_op() {
                        release_pairs, no_pairs, release_pairs};
 }
 
+constexpr OrtCustomOp rope_op() {
+    return OrtCustomOp{kOpVersion, create, name_of, cpu, rope_input_type, input_count,
+                       cache_heads_output_type, one, compute_v1<rope>, destroy, required,
+                       required, default_memory, arity, arity, arity, arity, create_v2, rope,
+                       nullptr, first_version, last_version, no_pairs, release_pairs, no_pairs,
+                       release_pairs};
+}
+
 constexpr int64_t Q = DCMHA_HAS_WQ, K = DCMHA_HAS_KW, D = DCMHA_HAS_KDD;
 Op g_ops[] = {
     {base_op(), "ComposeQ", Q, 2},           {base_op(), "ComposeK", K, 3},
@@ -362,6 +483,8 @@ Op g_ops[] = {
     {base_op(), "ComposeQKD", Q | K | D, 5},
     {cache_heads_op(), "CacheHeads", kFloat, 3},
     {cache_heads_op(), "CacheHeads16", kFloat16, 3},
+    {rope_op(), "Rope", kFloat, 3},
+    {rope_op(), "Rope16", kFloat16, 3},
 };
 
 }  // namespace
