@@ -69,10 +69,14 @@ COMPOSE_OPS = ("ComposeQ", "ComposeK", "ComposeD", "ComposeQK", "ComposeQD", "Co
                "ComposeQKD")
 #: A decode step's key / value cache range, heads first (``cache_heads_function``), by dtype.
 CACHE_OPS = {"float32": "CacheHeads", "float16": "CacheHeads16"}
+#: The per-query matrix of a Compose node's Q input from the spec's query-side terms
+#: (``query_matrix_function``), by the terms it takes: W (qw1, qw2), D (qdd), S (static).
+QUERY_OPS = ("QueryMatrixW", "QueryMatrixD", "QueryMatrixWD", "QueryMatrixWS", "QueryMatrixDS",
+             "QueryMatrixWDS")
 #: The rotate-half RoPE of the query and key heads (``rope_function``), by dtype.
 ROPE_OPS = {"float32": "Rope", "float16": "Rope16"}
 #: Every op of the ``dcmha`` domain that ``dcmha.export.ort_ops`` runs as compiled code.
-KERNEL_OPS = COMPOSE_OPS + tuple(CACHE_OPS.values()) + tuple(ROPE_OPS.values())
+KERNEL_OPS = COMPOSE_OPS + tuple(CACHE_OPS.values()) + QUERY_OPS + tuple(ROPE_OPS.values())
 #: Queries per chunk of the chunked attention (``attend_chunks``) unless the
 #: configuration sets ``query_chunk_size``: with plain-op composes, and with Compose nodes
 #: (the kernel leaves less work per chunk, so fewer, larger chunks pay: benchmarks/RESULTS.md).
@@ -421,32 +425,26 @@ class _Body:
     # which is ~30x slower. (Einsums were ~7x slower than all this.)
 
     def _merged(self, w1, w2, dd, static, residual, transposed):
-        """(B, G, L, M, M) matrices [I] + [static] + w1^T w2 + diag(dd), or their transpose.
+        """(B, G, L, M, M) matrices [I] + [static] + w1^T w2 + diag(dd), or their transpose
+        (``merged_matrix``), float32.
 
         w1, w2: (B, L, G, R, M); dd: (B, L, G, M); static: (G, M, M). None if empty.
         """
-        e, F, M = self.e, TensorProto.FLOAT, self.cfg.M
-        cast = lambda t: e.cast(t, self.ft, F)
-        W = None
-        if w1 is not None:
-            left, right = (w2, w1) if transposed else (w1, w2)
-            W = e.op("MatMul", e.op("Transpose", cast(left), perm=[0, 2, 1, 4, 3]),    # (B,G,L,M,R)
-                     e.op("Transpose", cast(right), perm=[0, 2, 1, 3, 4]))              # (B,G,L,R,M)
-        diag = None
-        if dd is not None:
-            diag = e.op("Transpose", cast(dd), perm=[0, 2, 1, 3])           # (B, G, L, M)
-        if residual:
-            diag = self.c(np.ones(M), F) if diag is None else e.op("Add", diag, self.c(1.0, F))
-        if diag is not None:
-            dmat = e.op("Mul", e.op("Unsqueeze", diag, e.i64(-1)), self.c(np.eye(M), F))
-            W = dmat if W is None else e.op("Add", W, dmat)
-        if static is not None:   # (G, M, M) -> (G, 1, M, M), shared by every position
-            st = cast(static)
-            if transposed:
-                st = e.op("Transpose", st, perm=[0, 2, 1])
-            st = e.op("Unsqueeze", st, e.i64(1))
-            W = st if W is None else e.op("Add", W, st)
-        return W
+        e, F = self.e, TensorProto.FLOAT
+        cast = lambda t: None if t is None else e.cast(t, self.ft, F)
+        return merged_matrix(e, cast(w1), cast(w2), cast(dd), cast(static), residual, transposed,
+                             self.c(np.eye(self.cfg.M), F))
+
+    def _query_matrix_node(self, q, static):
+        """The per-query matrix Wq (B, G, L, M, M) of ``factors`` as one
+        ``dcmha.QueryMatrix<W|D|S>`` node (``query_matrix_function``)."""
+        e, F = self.e, TensorProto.FLOAT
+        letters = ("W" if "w1" in q else "") + ("D" if "dd" in q else "") + (
+            "S" if static is not None else "")
+        terms = ([q["w1"], q["w2"]] if "w1" in q else []) + ([q["dd"]] if "dd" in q else []) + (
+            [static] if static is not None else [])
+        return e.op("QueryMatrix" + letters, *[e.cast(t, self.ft, F) for t in terms],
+                    domain=DOMAIN)
 
     def _key_side_low_rank(self, x, k):
         """The key-side terms applied to x (B, G, T, M, S) as they are (low rank + diagonal):
@@ -495,9 +493,11 @@ class _Body:
                 raise NotImplementedError(
                     f"The ONNX exporter does not translate the compose terms {unknown} of "
                     f"the {stage} stage (it translates {sorted(EXPORTED_TERMS)}).")
-            if q or static is not None:
+            if q and self.compose_nodes:
+                qf[stage] = (self._query_matrix_node(q, static), 2)
+            elif q or static is not None:
                 W = self._merged(q.get("w1"), q.get("w2"), q.get("dd"), static, True, True)
-                if self.compose_nodes and not q:   # (G, 1, M, M) -> (1, G, 1, M, M)
+                if self.compose_nodes:   # static only: (G, 1, M, M) -> (1, G, 1, M, M)
                     W = self.e.op("Unsqueeze", W, self.e.i64(0))
                 qf[stage] = (W, 2 if q else None)
             if k and self.compose_nodes:   # the key-side weights as they are, for Compose*
@@ -912,6 +912,61 @@ def cache_heads_function(name: str, opset: Optional[int] = None) -> onnx.Functio
                                 doc_string=cache_heads_function.__doc__.split(":", 1)[1].strip())
 
 
+def merged_matrix(e: "Emitter", w1, w2, dd, static, residual: bool, transposed: bool,
+                  eye: str) -> Optional[str]:
+    """(B, G, L, M, M) matrices [I] + [static] + w1^T w2 + diag(dd), or their transpose,
+    in plain ops; None if every term is absent.
+
+    w1, w2: (B, L, G, R, M); dd: (B, L, G, M); static: (G, M, M); each float32 or None.
+    eye: the (M, M) float32 identity. Transposed, W[n, m] = [n == m] (1 + dd[n])
+    + sum_r w1[r, m] w2[r, n] + static[g, m, n] with the residual: the query factor.
+    """
+    W = None
+    if w1 is not None:
+        left, right = (w2, w1) if transposed else (w1, w2)
+        W = e.op("MatMul", e.op("Transpose", left, perm=[0, 2, 1, 4, 3]),    # (B, G, L, M, R)
+                 e.op("Transpose", right, perm=[0, 2, 1, 3, 4]))             # (B, G, L, R, M)
+    dmat = None
+    if dd is not None:
+        diag = e.op("Transpose", dd, perm=[0, 2, 1, 3])                      # (B, G, L, M)
+        if residual:
+            diag = e.op("Add", diag, e.const(1.0, TensorProto.FLOAT))
+        dmat = e.op("Mul", e.op("Unsqueeze", diag, e.i64(-1)), eye)
+    elif residual:
+        dmat = eye
+    if dmat is not None:
+        W = dmat if W is None else e.op("Add", W, dmat)
+    if static is not None:   # (G, M, M) -> (G, 1, M, M), shared by every position
+        st = e.op("Transpose", static, perm=[0, 2, 1]) if transposed else static
+        st = e.op("Unsqueeze", st, e.i64(1))
+        W = st if W is None else e.op("Add", W, st)
+    return W
+
+
+def query_matrix_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProto:
+    """The local function ``dcmha.QueryMatrix<W|D|S>`` (``_Body._query_matrix_node``): the
+    per-query matrix wq (B, G, T, M, M) of a Compose node's Q input from the spec's
+    query-side terms, each input only where its letter is in the name: W: qw1, qw2
+    (B, T, G, R, M); D: qdd (B, T, G, M); S: static (G, M, M); all float32.
+    wq[n, m] = [n == m] (1 + qdd[n]) + sum_r qw1[r, m] qw2[r, n] + static[g, m, n]."""
+    if name not in QUERY_OPS:
+        raise ValueError(f"Not a QueryMatrix op name: {name!r} (expected one of {list(QUERY_OPS)}).")
+    letters = name[len("QueryMatrix"):]
+    ins = (["qw1", "qw2"] if "W" in letters else []) + (["qdd"] if "D" in letters else []) + (
+        ["static"] if "S" in letters else [])
+    e = Emitter()
+    M = e.op("Shape", ins[0], start=-1)
+    eye = e.op("EyeLike", e.op("ConstantOfShape", e.op("Concat", M, M, axis=0),
+                               value=numpy_helper.from_array(np.zeros(1, np.float32))))
+    out = merged_matrix(e, "qw1" if "W" in letters else None, "qw2" if "W" in letters else None,
+                        "qdd" if "D" in letters else None, "static" if "S" in letters else None,
+                        True, True, eye)
+    rename_value(e.nodes, out, "wq")
+    return helper.make_function(DOMAIN, name, ins, ["wq"], e.nodes,
+                                [helper.make_opsetid("", check_opset(opset))],
+                                doc_string=query_matrix_function.__doc__.split(":", 1)[1].strip())
+
+
 def _rope_ops(e: "Emitter", x: str, positions: str, inv_freq: str, half: str, d: str,
               ft: int) -> str:
     """The rotate-half RoPE of x (B, L, H, d), type ft, at int64 positions (L,), with
@@ -949,6 +1004,8 @@ def kernel_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProt
     """The local function of one of ``KERNEL_OPS``."""
     if name in ROPE_OPS.values():
         return rope_function(name, opset)
+    if name in QUERY_OPS:
+        return query_matrix_function(name, opset)
     return (cache_heads_function if name in CACHE_OPS.values() else compose_function)(name, opset)
 
 

@@ -233,7 +233,7 @@ def test_plain_export_has_no_compose_nodes_and_agrees():
     nodes = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True))
     assert [f.name for f in plain.functions] == ["DCMHA"]
     assert core.kernel_ops_used(plain.functions[0].node) == []
-    assert [f.name for f in nodes.functions] == ["DCMHA", "ComposeQKD", "Rope"]
+    assert [f.name for f in nodes.functions] == ["DCMHA", "ComposeQKD", "QueryMatrixWDS", "Rope"]
     want = ref.attention(p, cfg, x, use_causal_mask=True)
     _close(_run(plain, {"query": x}, True)["output"], want, 1e-5)
     _close(_run(nodes, {"query": x}, True)["output"], want, 1e-5)
@@ -273,13 +273,13 @@ def test_library_is_cached_and_checked():
 # CacheHeads: a decode step's cache range, heads first
 # ---------------------------------------------------------------------------
 
-def _one_op_model(name, ft, inputs):
+def _one_op_model(name, ft, inputs, rank=4):
     """A graph of one ``dcmha`` kernel op (with its function): inputs [(name, type, shape)]
-    -> out (rank 4, type ft)."""
+    -> out (of this rank, type ft)."""
     ins = [helper.make_tensor_value_info(n, t, shape) for n, t, shape in inputs]
     node = helper.make_node(name, [n for n, _, _ in inputs], ["out"], domain=core.DOMAIN)
     graph = helper.make_graph([node], name, ins,
-                              [helper.make_tensor_value_info("out", ft, [None] * 4)])
+                              [helper.make_tensor_value_info("out", ft, [None] * rank)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
                                                     helper.make_opsetid(core.DOMAIN, 1)],
                               functions=[core.kernel_function(name)])
@@ -326,7 +326,57 @@ def test_decode_graph_reads_its_cache_through_cache_heads():
         assert [n.op_type for n in fn.node if n.domain == "dcmha"].count(
             core.CACHE_OPS[dtype]) == 2
         assert sorted(f.name for f in model.functions) == sorted(
-            ["DCMHA", "ComposeQKD", core.CACHE_OPS[dtype]])
+            ["DCMHA", "ComposeQKD", "QueryMatrixWD", core.CACHE_OPS[dtype]])
+
+
+# ---------------------------------------------------------------------------
+# QueryMatrix: a Compose node's per-query matrix from the spec's query-side terms
+# ---------------------------------------------------------------------------
+
+def _query_terms(letters, B=2, T=3, G=2, R=2, M=4, seed=12):
+    rng = np.random.default_rng(seed)
+    shapes = {"qw1": (B, T, G, R, M), "qw2": (B, T, G, R, M), "qdd": (B, T, G, M),
+              "static": (G, M, M)}
+    names = (["qw1", "qw2"] if "W" in letters else []) + (["qdd"] if "D" in letters else []) + (
+        ["static"] if "S" in letters else [])
+    return {n: rng.normal(size=shapes[n]).astype(np.float32) for n in names}, (B, T, G, M)
+
+
+def _query_matrix_definition(t, B, T, G, M):
+    """wq (B, G, T, M, M): [n == m] (1 + qdd[n]) + sum_r qw1[r, m] qw2[r, n] + static[g, m, n]."""
+    qdd = t.get("qdd", np.zeros((B, T, G, M)))
+    wq = np.eye(M) * (1.0 + qdd.transpose(0, 2, 1, 3).astype(np.float64))[..., None]
+    if "qw1" in t:
+        wq = wq + np.einsum("btgrm,btgrn->bgtnm", t["qw1"].astype(np.float64), t["qw2"])
+    if "static" in t:
+        wq = wq + t["static"].transpose(0, 2, 1)[None, :, None].astype(np.float64)
+    return wq
+
+
+@pytest.mark.parametrize("kernel", KERNEL)
+@pytest.mark.parametrize("name", core.QUERY_OPS)
+def test_query_matrix_is_the_spec_query_factor(name, kernel):
+    terms, dims = _query_terms(name[len("QueryMatrix"):])
+    model = _one_op_model(name, TensorProto.FLOAT, [(n, TensorProto.FLOAT, [None] * v.ndim)
+                                                     for n, v in terms.items()], rank=5)
+    onnx.checker.check_model(model, full_check=True)
+    got = _run(model, terms, kernel)["out"]
+    want = _query_matrix_definition(terms, *dims)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_query_matrix_rejects_terms_of_different_shapes():
+    terms, _ = _query_terms("WD")
+    terms["qdd"] = terms["qdd"][:, :2]
+    model = _one_op_model("QueryMatrixWD", TensorProto.FLOAT,
+                          [(n, TensorProto.FLOAT, [None] * v.ndim) for n, v in terms.items()],
+                          rank=5)
+    with pytest.raises(Exception, match=r"dcmha QueryMatrixWD: need qw1, qw2 \(B, T, G, R, M\), "
+                                        r"qdd \(B, T, G, M\) and static \(G, M, M\) of one B, T, "
+                                        r"G, M; the first term present has \(B, T, G, M\) = "
+                                        r"\(2, 3, 2, 4\)"):
+        core.session(model).run(None, terms)
 
 
 # ---------------------------------------------------------------------------

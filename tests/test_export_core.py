@@ -138,10 +138,13 @@ def test_graph_structure_and_dynamic_axes(compose_nodes):
     assert (fn.domain, fn.name) == ("dcmha", "DCMHA")
     assert list(fn.input)[:1] == ["query"] and list(fn.output) == ["output"]
     assert list(fn.input)[1:] == list(ref.param_shapes(cfg, D, D, 7))
-    if compose_nodes:   # both composes (in the chunk Loop) are ComposeQKD nodes
-        assert [(f.domain, f.name) for f in composes] == [("dcmha", "ComposeQKD")]
-        assert {n.domain for n in composes[0].node} == {""}   # a plain-op body
-        assert core.kernel_ops_used(fn.node) == ["ComposeQKD"]
+    if compose_nodes:   # both composes (in the chunk Loop) are ComposeQKD nodes, their
+        # per-query matrix (made once, outside the Loop) one QueryMatrixWD node
+        assert [(f.domain, f.name) for f in composes] == [("dcmha", "ComposeQKD"),
+                                                          ("dcmha", "QueryMatrixWD")]
+        assert all({n.domain for n in f.node} == {""} for f in composes)   # plain-op bodies
+        assert core.kernel_ops_used(fn.node) == ["ComposeQKD", "QueryMatrixWD"]
+        assert [n.op_type for n in fn.node if n.domain == "dcmha"] == ["QueryMatrixWD"] * 2
         loop = [n for n in fn.node if n.op_type == "Loop"][0]
         assert [n.op_type for n in loop.attribute[0].g.node if n.domain == "dcmha"] == [
             "ComposeQKD", "ComposeQKD"]
@@ -220,8 +223,9 @@ def test_layers_share_a_function_per_configuration():
     b.add_output(h, "y", onnx.TensorProto.FLOAT, ["batch", "length", D])
     model = b.build()
     core.check_model(model)
-    # one Compose function for all three calls
-    assert sorted(f.name for f in model.functions) == ["ComposeQKD", "DCMHA", "DCMHA_2"]
+    # one function per kernel op for all three calls
+    assert sorted(f.name for f in model.functions) == ["ComposeQKD", "DCMHA", "DCMHA_2",
+                                                       "QueryMatrixWD"]
     assert [n.op_type for n in model.graph.node if n.domain == "dcmha"] == ["DCMHA", "DCMHA_2", "DCMHA"]
     x_np = np.random.default_rng(7).normal(size=(1, 4, D)).astype(np.float32)
     want = x_np

@@ -56,8 +56,9 @@ def test_layer_forward_with_mask_and_scores(tmp_path, rich):
                     return_attention_scores=True)
     assert _io(model) == (["query", "attention_mask"], ["output", "attention_scores"])
     assert [(f.domain, f.name) for f in model.functions][0] == ("dcmha", "DCMHA")
-    # the rest: the kernel ops it uses (compose, RoPE), each a function with a plain-op body
-    assert sorted(f.name for f in model.functions[1:]) == ["ComposeQKD", "Rope"]
+    # the rest: the kernel ops it uses (compose, query matrix, RoPE), each a function with a
+    # plain-op body
+    assert sorted(f.name for f in model.functions[1:]) == ["ComposeQKD", "QueryMatrixWDS", "Rope"]
     mask = np.random.default_rng(1).random((B, T, T)) > 0.3
     mask[1, 2] = False                                   # a fully masked row
     report = verify(path, layer, {"query": x, "attention_mask": mask})

@@ -454,14 +454,12 @@ void dcmha_cached_args(Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int6
     cached_args_rows(a, B, G, M, T, S, R, x, out, wq, wq_b, wq_t, kw1, kw2, kdd, 0, 0, scratch);
 }
 
-/* wq (B, T, G, M, M): wq[n, m] = [n == m] (1 + qdd[n]) + sum_r qw1[r, m] qw2[r, n]
-   + static[g, m, n] (the spec's query factor; an absent term adds nothing). */
-static void query_matrix(int64_t B, int64_t T, int64_t G, int64_t M, int64_t R,
-                         const float *qw1, const float *qw2, const float *qdd,
-                         const float *st, float *wq) {
-    for (int64_t i = 0; i < B * T * G; i++) {
-        const int64_t g = i % G;
-        float *w = wq + i * M * M;
+void dcmha_query_matrix(int64_t B, int64_t T, int64_t G, int64_t M, int64_t R,
+                        const float *qw1, const float *qw2, const float *qdd, const float *st,
+                        float *wq, int groups_first) {
+    for (int64_t i = 0; i < B * T * G; i++) {   /* row i = (b, t, g) of the terms */
+        const int64_t g = i % G, t = (i / G) % T, b = i / (G * T);
+        float *w = wq + (groups_first ? (b * G + g) * T + t : i) * M * M;
         for (int64_t n = 0; n < M; n++)
             for (int64_t m = 0; m < M; m++) {
                 float v = n == m ? 1.0f + (qdd ? qdd[i * M + n] : 0.0f) : 0.0f;
@@ -485,7 +483,7 @@ static int compose_cached_rows(int64_t B, int64_t G, int64_t M, int64_t T, int64
     float *scratch = n ? (float *)malloc(sizeof(float) * (size_t)n) : 0;
     if (n && !scratch) return 1;
     float *wq = n_wq ? scratch : 0;
-    if (wq) query_matrix(B, T, G, M, Rq, qw1, qw2, qdd, st, wq);
+    if (wq) dcmha_query_matrix(B, T, G, M, Rq, qw1, qw2, qdd, st, wq, 0);
     Args a;
     cached_args_rows(&a, B, G, M, T, S, Rk, x, out, wq, B, T, kw1, kw2, kdd, kw_row, kd_row,
                      scratch + n_wq);

@@ -87,6 +87,16 @@ DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_compose_cached(
     const float *x, float *out, const float *qw1, const float *qw2, const float *qdd,
     const float *st, const float *kw1, const float *kw2, const float *kdd);
 
+/* The spec's query factor of each (b, t, g): wq[n, m] = [n == m] (1 + qdd[n])
+   + sum_r qw1[r, m] qw2[r, n] + static[g, m, n] (out[n] = sum_m wq[n, m] x[m], the residual
+   included), from qw1, qw2 (B, T, G, R, M), qdd (B, T, G, M), static (G, M, M), each NULL
+   when absent; into wq (B, T, G, M, M), or (B, G, T, M, M) when groups_first. */
+DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_query_matrix(int64_t B, int64_t T, int64_t G, int64_t M,
+                                                     int64_t R, const float *qw1,
+                                                     const float *qw2, const float *qdd,
+                                                     const float *st, float *wq,
+                                                     int groups_first);
+
 /* One query's probabilities, as the plain core's one-query path computes them: p (B, G, M, S)
    = Compose_post(softmax(where(mask, Compose_pre(x), masked))) for the scores x (B, G, M, S)
    (p must not alias x). Each stage's terms as dcmha_compose_cached's (T = 1), all NULL for

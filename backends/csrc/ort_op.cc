@@ -19,6 +19,12 @@
    out (B, H, stop - start, d) = the cache's positions [start, stop), heads first: the
    Slice and Transpose of a decode step's key / value cache in one copy.
 
+       QueryMatrixW / D / WD / WS / DS / WDS: ([qw1, qw2], [qdd], [static]) -> wq
+
+   The per-query matrix of Compose's wq input, (B, G, T, M, M), from the spec's query-side
+   terms (W: qw1, qw2 (B, T, G, R, M); D: qdd (B, T, G, M); S: static (G, M, M)):
+   wq[n, m] = [n == m] (1 + qdd[n]) + sum_r qw1[r, m] qw2[r, n] + static[g, m, n].
+
        Rope (float32) / Rope16 (float16): (x, positions, inv_freq) -> out
 
    x, out (B, L, H, d), positions (L,) int64, inv_freq (d / 2,) float64: the rotate-half
@@ -317,6 +323,44 @@ OrtStatus *cache_heads(void *kernel, OrtKernelContext *ctx) {
     return nullptr;
 }
 
+/* QueryMatrix*: wq (B, G, T, M, M) from the query-side terms present (flags: 1 W, 2 D, 4 S). */
+constexpr int64_t kW = 1, kD = 2, kS = 4;
+
+OrtStatus *query_matrix(void *kernel, OrtKernelContext *ctx) {
+    const Op &op = *static_cast<const Op *>(kernel);
+    Tensor qw1, qw2, qdd, st;
+    OrtStatus *st_;
+    size_t i = 0;
+    if ((op.flags & kW) && ((st_ = read_input(ctx, i++, "qw1", 5, qw1)) ||
+                            (st_ = read_input(ctx, i++, "qw2", 5, qw2))))
+        return st_;
+    if ((op.flags & kD) && (st_ = read_input(ctx, i++, "qdd", 4, qdd))) return st_;
+    if ((op.flags & kS) && (st_ = read_input(ctx, i++, "static", 3, st))) return st_;
+    const Tensor &first = (op.flags & kW) ? qw1 : qdd;   /* every op has W or D */
+    const int64_t B = first.dims[0], T = first.dims[1], G = first.dims[2],
+                  M = first.dims[first.rank - 1], R = (op.flags & kW) ? qw1.dims[3] : 1;
+    bool ok = true;
+    if (op.flags & kW)
+        for (int a = 0; a < 5; a++) ok = ok && qw2.dims[a] == qw1.dims[a];
+    if (op.flags & kD)
+        ok = ok && qdd.dims[0] == B && qdd.dims[1] == T && qdd.dims[2] == G && qdd.dims[3] == M;
+    if (op.flags & kS) ok = ok && st.dims[0] == G && st.dims[1] == M && st.dims[2] == M;
+    if (!ok) {
+        char msg[200];
+        std::snprintf(msg, sizeof msg, "dcmha %s: need qw1, qw2 (B, T, G, R, M), qdd (B, T, G, M) "
+                      "and static (G, M, M) of one B, T, G, M; the first term present has "
+                      "(B, T, G, M) = (%lld, %lld, %lld, %lld)", op.name, (long long)B,
+                      (long long)T, (long long)G, (long long)M);
+        return status(kInvalidArgument, msg);
+    }
+    const int64_t dims[5] = {B, G, T, M, M};
+    void *out_data = nullptr;
+    if ((st_ = output(ctx, dims, 5, out_data))) return st_;
+    dcmha_query_matrix(B, T, G, M, R, qw1.data, qw2.data, qdd.data, st.data,
+                       static_cast<float *>(out_data), 1);
+    return nullptr;
+}
+
 /* The cos / sin rows (d/2 floats each, float64 angles rounded to float) of positions
    [0, n) for one inv_freq, per thread: a graph's calls share their positions. */
 struct RopeTable {
@@ -467,6 +511,14 @@ constexpr OrtCustomOp cache_heads_op() {
                        release_pairs, no_pairs, release_pairs};
 }
 
+constexpr OrtCustomOp query_matrix_op() {
+    return OrtCustomOp{kOpVersion, create, name_of, cpu, float_type, input_count, float_type,
+                       one, compute_v1<query_matrix>, destroy, required, required,
+                       default_memory, arity, arity, arity, arity, create_v2, query_matrix,
+                       nullptr, first_version, last_version, no_pairs, release_pairs, no_pairs,
+                       release_pairs};
+}
+
 constexpr OrtCustomOp rope_op() {
     return OrtCustomOp{kOpVersion, create, name_of, cpu, rope_input_type, input_count,
                        cache_heads_output_type, one, compute_v1<rope>, destroy, required,
@@ -483,6 +535,12 @@ Op g_ops[] = {
     {base_op(), "ComposeQKD", Q | K | D, 5},
     {cache_heads_op(), "CacheHeads", kFloat, 3},
     {cache_heads_op(), "CacheHeads16", kFloat16, 3},
+    {query_matrix_op(), "QueryMatrixW", kW, 2},
+    {query_matrix_op(), "QueryMatrixD", kD, 1},
+    {query_matrix_op(), "QueryMatrixWD", kW | kD, 3},
+    {query_matrix_op(), "QueryMatrixWS", kW | kS, 3},
+    {query_matrix_op(), "QueryMatrixDS", kD | kS, 2},
+    {query_matrix_op(), "QueryMatrixWDS", kW | kD | kS, 4},
     {rope_op(), "Rope", kFloat, 3},
     {rope_op(), "Rope16", kFloat16, 3},
 };
