@@ -75,8 +75,14 @@ QUERY_OPS = ("QueryMatrixW", "QueryMatrixD", "QueryMatrixWD", "QueryMatrixWS", "
              "QueryMatrixWDS")
 #: The rotate-half RoPE of the query and key heads (``rope_function``), by dtype.
 ROPE_OPS = {"float32": "Rope", "float16": "Rope16"}
+#: A causal block's probabilities from its scores, Compose_post(softmax(Compose_pre(x) +
+#: bias)), as one op (``probs_function``): ``Probs<pre>_<post>``, each stage the letters of
+#: its Compose op or none (not both none).
+STAGE_LETTERS = ("",) + tuple(n[len("Compose"):] for n in COMPOSE_OPS)
+PROBS_OPS = tuple(f"Probs{a}_{b}" for a in STAGE_LETTERS for b in STAGE_LETTERS if a or b)
 #: Every op of the ``dcmha`` domain that ``dcmha.export.ort_ops`` runs as compiled code.
-KERNEL_OPS = COMPOSE_OPS + tuple(CACHE_OPS.values()) + QUERY_OPS + tuple(ROPE_OPS.values())
+KERNEL_OPS = (COMPOSE_OPS + tuple(CACHE_OPS.values()) + QUERY_OPS + tuple(ROPE_OPS.values())
+              + PROBS_OPS)
 #: Queries per chunk of the chunked attention (``attend_chunks``) unless the
 #: configuration sets ``query_chunk_size``: with plain-op composes, and with Compose nodes
 #: (the kernel leaves less work per chunk, so fewer, larger chunks pay: benchmarks/RESULTS.md).
@@ -531,19 +537,43 @@ class _Body:
             terms.append(plus)
         return terms[0] if len(terms) == 1 else e.op("Sum", *terms)
 
+    def _stage_inputs(self, stage, qf, kf):
+        """(letters, inputs) of a compose stage's ``Compose<letters>`` node after x: Q the
+        per-query matrix, K the key-side pair, D the key-side gating ("": the residual)."""
+        Wk = kf[stage][0] if stage in kf else {}
+        letters = ("Q" if stage in qf else "") + ("K" if "w1" in Wk else "") + ("D" if "dd" in Wk else "")
+        inputs = ([qf[stage][0]] if stage in qf else []) + (
+            [Wk["w1"], Wk["w2"]] if "w1" in Wk else []) + ([Wk["dd"]] if "dd" in Wk else [])
+        return letters, inputs
+
     def _compose_node(self, x, stage, qf, kf, plus):
         """compose() as one ``dcmha.Compose<Q|K|D>`` node on x (B, N, T, S) (see
         ``compose_function``); ``plus`` is added after it."""
+        letters, inputs = self._stage_inputs(stage, qf, kf)
+        out = self.e.op("Compose" + letters, x, *inputs, domain=DOMAIN) if letters else x
+        return out if plus is None else self.e.op("Add", out, plus)
+
+    def _fuses_probs(self, qf, kf) -> bool:
+        """Whether a masked block's probabilities are one ``Probs`` node (``_probs_node``):
+        with kernel nodes, a stage with a term, and no (B, N, T, S) output or 0/1
+        multiplier (no row can be fully masked)."""
+        cfg, call = self.cfg, self.call
+        empty_rows = call.attention_mask or (cfg.sliding_window is not None
+                                             and not (call.self_attention or call.decode))
+        return bool(self.compose_nodes and (qf or kf) and not (
+            empty_rows or call.return_attention_scores or call.intermediates))
+
+    def _probs_node(self, x, bias, qf, kf, offsets=None):
+        """The probabilities Compose_post(softmax(Compose_pre(x) + bias)) of scores x
+        (B, N, T, S) as one ``dcmha.Probs<pre>_<post>`` node (``probs_function``); x is
+        the factors' block at ``offsets`` (t0, s0: int64 scalars; None: 0, 0)."""
         e = self.e
-        Wk = kf[stage][0] if stage in kf else {}
-        letters = ("Q" if stage in qf else "") + ("K" if "w1" in Wk else "") + ("D" if "dd" in Wk else "")
-        if not letters:
-            out = x   # the residual alone
-        else:
-            inputs = [x] + ([qf[stage][0]] if stage in qf else []) + (
-                [Wk["w1"], Wk["w2"]] if "w1" in Wk else []) + ([Wk["dd"]] if "dd" in Wk else [])
-            out = e.op("Compose" + letters, *inputs, domain=DOMAIN)
-        return out if plus is None else e.op("Add", out, plus)
+        stages = [self._stage_inputs(s, qf, kf) if on else ("", [])
+                  for s, on in (("pre", self.cfg.pre_compose), ("post", self.cfg.post_compose))]
+        if offsets is None:
+            offsets = (e.const(0, TensorProto.INT64), e.const(0, TensorProto.INT64))
+        return e.op(f"Probs{stages[0][0]}_{stages[1][0]}", x, bias, *offsets, *stages[0][1],
+                    *stages[1][1], domain=DOMAIN)
 
     # -- the call ----------------------------------------------------------
     def build(self) -> Dict[str, str]:
@@ -718,25 +748,32 @@ class _Body:
 
         q, qf, q_pos, mask = rows
         k, v, kf = cols
+        # a Probs node reads the block's part of the factors itself: they stay uncut
+        fused = self._fuses_probs(qf, kf)
+        offsets = (t0, s0) if fused else None
+        cut_q = (lambda f: f) if fused else (lambda f: cut_factors(f, tt))
+        cut_k = (lambda f: f) if fused else (lambda f: cut_factors(f, ss))
         if call.decode:   # one block of every query: only the keys are cut
             rows = (q, qf, q_pos, None if mask is None else cut(mask, ss, 2))
         else:
-            rows = (cut(q, tt, 1), cut_factors(qf, tt), cut(q_pos, tt, 0),
+            rows = (cut(q, tt, 1), cut_q(qf), cut(q_pos, tt, 0),
                     None if mask is None else cut(cut(mask, tt, 1), ss, 2))
         if call.decode and self.compose_nodes:   # the visible range heads first, one copy each
             op = CACHE_OPS["float16" if self.ft == TensorProto.FLOAT16 else "float32"]
             kh = e.op(op, k, s0, s1, domain=DOMAIN)                       # (B, N_kv, S, d)
             cols = (e.cast(kh, self.ft, TensorProto.FLOAT), e.op(op, v, s0, s1, domain=DOMAIN),
-                    cut_factors(kf, ss))
+                    cut_k(kf))
         elif call.decode:
-            cols = self.kv_layouts(cut(k, ss, 1), cut(v, ss, 1)) + (cut_factors(kf, ss),)
+            cols = self.kv_layouts(cut(k, ss, 1), cut(v, ss, 1)) + (cut_k(kf),)
         else:
-            cols = (cut(k, ss, 2), cut(v, ss, 2), cut_factors(kf, ss))
-        o, _ = self.attend(rows, cols, s0, e.op("Sub", s1, s0))
+            cols = (cut(k, ss, 2), cut(v, ss, 2), cut_k(kf))
+        o, _ = self.attend(rows, cols, s0, e.op("Sub", s1, s0), offsets)
         return o
 
-    def attend(self, rows, cols, s0, S):
+    def attend(self, rows, cols, s0, S, offsets=None):
         """Attention of the queries ``rows`` to the keys ``cols`` at positions s0 + [0, S).
+        ``offsets`` (t0, s0): where the block lies in the query and key factors, which
+        are then uncut (for ``_probs_node``); None: the factors are the block's.
 
         rows: (q (B, T, N, d), the query factors (``factors``), absolute query positions
         (T,), attention_mask (B, T, S) or None); cols: (k (B, N_kv, S, d) float32,
@@ -821,7 +858,12 @@ class _Body:
                 keep = e.op("Cast", mask, to=F)
         if composing:
             a = to_gtms(a)
-        if cfg.pre_compose and not call.intermediates:   # the mask bias in compose's last pass
+        fused = None
+        if bias is not None and self._fuses_probs(qf, kf):   # compose, softmax, compose
+            fused = self._probs_node(a, bias, qf, kf, offsets)
+        if fused is not None:
+            p = fused
+        elif cfg.pre_compose and not call.intermediates:   # the mask bias in compose's last pass
             a = self.compose(a, "pre", qf, kf, shapes, plus=bias)
         else:
             if cfg.pre_compose:
@@ -830,11 +872,12 @@ class _Body:
                 outputs["pre_composed"] = to_bnts(a)
             if bias is not None:
                 a = e.op("Add", a, bias)
-        p = e.op("Softmax", a, axis=-1)
-        if call.intermediates:
-            outputs["probs"] = to_bnts(p if keep is None else e.op("Mul", p, keep))
-        if cfg.post_compose:
-            p = self.compose(p, "post", qf, kf, shapes)
+        if fused is None:
+            p = e.op("Softmax", a, axis=-1)
+            if call.intermediates:
+                outputs["probs"] = to_bnts(p if keep is None else e.op("Mul", p, keep))
+            if cfg.post_compose:
+                p = self.compose(p, "post", qf, kf, shapes)
         if keep is not None:
             # masked entries (and fully masked rows, whose softmax is uniform) become
             # exactly 0: p is finite, and p * 0 == 0, p * 1 == p
@@ -868,8 +911,7 @@ def compose_function(name: str, opset: Optional[int] = None) -> onnx.FunctionPro
                          f"D in that order, e.g. 'ComposeQKD').")
     letters = name[len("Compose"):]
     e = Emitter()
-    ins = ["x"] + (["wq"] if "Q" in letters else []) + (["kw1", "kw2"] if "K" in letters else []) \
-        + (["kdd"] if "D" in letters else [])
+    ins = ["x"] + _compose_inputs(letters)
     g_axis = 1 if "Q" in letters else 2          # wq (B, G, ...); kw1, kdd (B, S, G, ...)
     G = e.dims(ins[1], g_axis, g_axis + 1)
     x5 = e.op("Transpose", e.op("Reshape", "x", e.op("Concat", e.dims("x", 0, 1), G, e.i64(-1),
@@ -892,6 +934,51 @@ def compose_function(name: str, opset: Optional[int] = None) -> onnx.FunctionPro
     return helper.make_function(DOMAIN, name, ins, ["out"], e.nodes,
                                 [helper.make_opsetid("", check_opset(opset))],
                                 doc_string=compose_function.__doc__.split("\n\n")[1].strip())
+
+
+def _compose_inputs(letters: str, prefix: str = "") -> List[str]:
+    """The inputs of ``Compose<letters>`` after x, in order (``compose_function``)."""
+    return [prefix + n for n, on in (("wq", "Q" in letters), ("kw1", "K" in letters),
+                                     ("kw2", "K" in letters), ("kdd", "D" in letters)) if on]
+
+
+def probs_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProto:
+    """The local function ``dcmha.Probs<pre>_<post>`` (``_Body._probs_node``): attention
+    probabilities from scores, Compose_post(softmax(Compose_pre(x) + bias)).
+
+    Inputs: x (B, N, T, S) float32, the block of queries [t0, t0 + T) and keys [s0, s0 + S);
+    bias (B|1, 1, T, S), the mask's 0 / MASKED_SCORE; t0, s0: int64 scalars; then each
+    stage's Compose inputs after x (``compose_function``), named pre_* / post_*, for every
+    query and key: wq (B|1, G, T_q|1, M, M) (T_q >= t0 + T), kw1, kw2 (B, S_k, G, R, M) and
+    kdd (B, S_k, G, M) (S_k >= s0 + S). A stage named by no letter is the identity. The body calls the ``Compose*`` functions, so a
+    model with this function carries those too; onnxruntime runs the compiled op where
+    ``dcmha.export.ort_ops`` is registered (one pass over a few query rows at a time).
+    """
+    if name not in PROBS_OPS:
+        raise ValueError(f"Not a Probs op name: {name!r} (expected Probs<pre>_<post>, each "
+                         f"stage one of {list(STAGE_LETTERS)}, not both empty).")
+    pre, post = name[len("Probs"):].split("_")
+    ins = ["x", "bias", "t0", "s0"] + _compose_inputs(pre, "pre_") + _compose_inputs(post, "post_")
+    e = Emitter()
+    T, S = e.dims("x", 2, 3), e.dims("x", 3, 4)
+    t0, s0 = e.op("Unsqueeze", "t0", e.i64(0)), e.op("Unsqueeze", "s0", e.i64(0))
+
+    def block(term):   # the term's part for x's block: rows [t0, t0 + T), keys [s0, s0 + S)
+        if term.endswith("wq"):   # a row axis of 1 (broadcast) stays
+            start = e.op("Min", t0, e.op("Sub", e.dims(term, 2, 3), e.i64(1)))
+            return e.op("Slice", term, start, e.op("Add", start, T), e.i64(2))
+        return e.op("Slice", term, s0, e.op("Add", s0, S), e.i64(1))
+    y = "x"
+    if pre:
+        y = e.op("Compose" + pre, "x", *map(block, _compose_inputs(pre, "pre_")), domain=DOMAIN)
+    p = e.op("Softmax", e.op("Add", y, "bias"), axis=-1)
+    if post:
+        p = e.op("Compose" + post, p, *map(block, _compose_inputs(post, "post_")), domain=DOMAIN)
+    rename_value(e.nodes, p, "out")
+    return helper.make_function(DOMAIN, name, ins, ["out"], e.nodes,
+                                [helper.make_opsetid("", check_opset(opset)),
+                                 helper.make_opsetid(DOMAIN, 1)],
+                                doc_string=probs_function.__doc__.split("\n\n")[0].split(":", 1)[1].strip())
 
 
 def cache_heads_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProto:
@@ -1006,6 +1093,8 @@ def kernel_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProt
         return rope_function(name, opset)
     if name in QUERY_OPS:
         return query_matrix_function(name, opset)
+    if name in PROBS_OPS:
+        return probs_function(name, opset)
     return (cache_heads_function if name in CACHE_OPS.values() else compose_function)(name, opset)
 
 
@@ -1146,9 +1235,12 @@ class ModelBuilder:
             self.functions[fname] = make_function(cfg, widths, call, dtype=self.dtype,
                                                   opset=self.opset, name=fname,
                                                   compose_nodes=self.compose_nodes)
-            for op in kernel_ops_used(self.functions[fname].node):
+            todo = kernel_ops_used(self.functions[fname].node)
+            while todo:   # each kernel op's function, and those its body calls
+                op = todo.pop(0)
                 if op not in self.functions:
                     self.functions[op] = kernel_function(op, self.opset)
+                    todo += kernel_ops_used(self.functions[op].node)
             self._function_keys[key] = fname
         return self._function_keys[key]
 

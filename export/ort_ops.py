@@ -1,6 +1,7 @@
 """The dcmha compose kernel inside onnxruntime: the custom-op library for ``Compose*`` nodes
-(and the ``CacheHeads*`` copies of a decode step, and the ``Rope*`` rotations of the query
-and key heads).
+(and ``Probs*``, a causal block's compose, softmax and compose; ``QueryMatrix*``, a stage's
+per-query matrix; ``Rope*``, the query and key heads' rotation; ``CacheHeads*``, a decode
+step's cache reads).
 
 A graph exported with ``compose_nodes=True`` writes each compose as one ``dcmha.Compose*``
 node (``ComposeQ`` ... ``ComposeQKD``: which terms it has). Each is also a model-local

@@ -199,6 +199,138 @@ def test_the_kernel_runs_not_the_body():
     np.testing.assert_array_equal(_run(model, feeds, False)["out"], feeds["x"])
 
 
+# ---------------------------------------------------------------------------
+# Probs: a block's probabilities from its scores (compose, biased softmax, compose)
+# ---------------------------------------------------------------------------
+
+def _probs_numpy(name, feeds):
+    """The op's definition: Compose_post(softmax(Compose_pre(x) + bias)), in float64, with
+    the terms' rows [t0, t0 + T) (a row axis of 1 broadcast) and keys [s0, s0 + S)."""
+    pre, post = name[len("Probs"):].split("_")
+    _, _, T, S = feeds["x"].shape
+    t0, s0 = int(feeds["t0"]), int(feeds["s0"])
+
+    def block(n, v):
+        if n == "wq":
+            return v if v.shape[2] == 1 else v[:, :, t0:t0 + T]
+        return v[:, s0:s0 + S]
+
+    def stage(letters, x, prefix):
+        if not letters:
+            return x
+        return _compose_numpy(letters, x, **{n[len(prefix):]: block(n[len(prefix):], v)
+                                             for n, v in feeds.items() if n.startswith(prefix)})
+    y = stage(pre, feeds["x"].astype(np.float64), "pre_") + feeds["bias"]
+    y = np.exp(y - y.max(-1, keepdims=True))
+    return stage(post, y / y.sum(-1, keepdims=True), "post_")
+
+
+def _probs_feeds(name, Bx=2, G=2, M=2, T=19, S=37, bias_batch=False, t0=0, s0=0, extra=(0, 0),
+                 seed=3):
+    """Scores of a (T, S) block, a causal bias (row t sees keys s <= t + S - T: every row
+    one at least) and terms (``_compose_inputs``) for t0 + T + extra[0] query rows and
+    s0 + S + extra[1] keys, the block at (t0, s0)."""
+    pre, post = name[len("Probs"):].split("_")
+    rng = np.random.default_rng(seed)
+    feeds = {"x": rng.normal(size=(Bx, G * M, T, S)).astype(np.float32)}
+    visible = np.arange(S)[None, :] <= np.arange(T)[:, None] + S - T
+    bias = np.where(visible, 0.0, core.MASKED_SCORE).astype(np.float32)
+    feeds["bias"] = np.broadcast_to(bias, (Bx if bias_batch else 1, 1, T, S)).copy()
+    feeds["t0"], feeds["s0"] = np.array(t0, np.int64), np.array(s0, np.int64)
+    for prefix, letters, k in (("pre_", pre, 1), ("post_", post, 2)):
+        f = _compose_inputs(letters, Bx=Bx, G=G, M=M, T=t0 + T + extra[0], S=s0 + S + extra[1],
+                            seed=seed + k)
+        feeds.update({prefix + n: v for n, v in f.items() if n != "x"})
+    return feeds
+
+
+def _probs_model(name, feeds):
+    model = _one_op_model(name, TensorProto.FLOAT,
+                          [(n, TensorProto.INT64 if n in ("t0", "s0") else TensorProto.FLOAT,
+                            [None] * v.ndim) for n, v in feeds.items()])
+    model.functions.extend(core.kernel_function(n) for n in core.kernel_ops_used(
+        model.functions[0].node))   # the Compose functions its body calls
+    return model
+
+
+@pytest.mark.parametrize("kernel", KERNEL)
+@pytest.mark.parametrize("name", core.PROBS_OPS)
+def test_each_probs_op_matches_its_definition(name, kernel):
+    feeds = _probs_feeds(name)
+    model = _probs_model(name, feeds)
+    onnx.checker.check_model(model, full_check=True)
+    out = _run(model, feeds, kernel)["out"]
+    # the Compose ops' tolerance (float32 against the float64 definition)
+    np.testing.assert_allclose(out, _probs_numpy(name, feeds), rtol=1e-5, atol=1e-5)
+    masked = np.broadcast_to(feeds["bias"] != 0, out.shape)
+    assert (out[masked] == 0).all()   # masked keys: exactly 0 after both composes
+
+
+@pytest.mark.parametrize("kernel", KERNEL)
+@pytest.mark.parametrize("M, R, T, S, bias_batch, t0, s0, extra", [
+    (8, 2, 1, 16, False, 0, 5, (0, 3)), (4, 4, 9, 160, True, 0, 0, (0, 0)),
+    (3, 1, 20, 5, False, 7, 2, (4, 1)), (16, 2, 17, 33, True, 3, 0, (0, 9))])
+def test_probs_sizes_and_blocks(M, R, T, S, bias_batch, t0, s0, extra, kernel):
+    # one query (a decode step), rows in several blocks of the kernel, S below, at and above
+    # its vector width, M and R with and without fixed-size code paths; the block inside
+    # longer terms (a query chunk, a decode step's visible keys)
+    feeds = _probs_feeds("ProbsQKD_QKD", G=1 if M == 16 else 2, M=M, T=T, S=S,
+                         bias_batch=bias_batch, t0=t0, s0=s0, extra=extra)
+    for prefix in ("pre_", "post_"):   # rank R
+        rng = np.random.default_rng(R)
+        for n in ("kw1", "kw2"):
+            shape = feeds[prefix + n].shape
+            feeds[prefix + n] = rng.normal(size=shape[:3] + (R,) + shape[4:]).astype(np.float32)
+    model = _probs_model("ProbsQKD_QKD", feeds)
+    np.testing.assert_allclose(_run(model, feeds, kernel)["out"],
+                               _probs_numpy("ProbsQKD_QKD", feeds), rtol=1e-5, atol=1e-5)
+
+
+def _without_body(model, name):
+    """The model with function ``name``'s body replaced by an Identity of its first input:
+    right only where the session runs the compiled op."""
+    fn = next(f for f in model.functions if f.name == name)
+    del fn.node[:]
+    fn.node.append(helper.make_node("Identity", [fn.input[0]], [fn.output[0]]))
+    return model
+
+
+def test_the_kernel_runs_not_the_bodies_of_the_other_ops():
+    feeds = _probs_feeds("ProbsQKD_QKD")
+    model = _without_body(_probs_model("ProbsQKD_QKD", feeds), "ProbsQKD_QKD")
+    np.testing.assert_allclose(_run(model, feeds, True)["out"],
+                               _probs_numpy("ProbsQKD_QKD", feeds), rtol=1e-5, atol=1e-5)
+    terms, dims = _query_terms("WDS")
+    model = _without_body(_one_op_model("QueryMatrixWDS", TensorProto.FLOAT, [
+        (n, TensorProto.FLOAT, [None] * v.ndim) for n, v in terms.items()], rank=5),
+        "QueryMatrixWDS")
+    np.testing.assert_allclose(_run(model, terms, True)["out"],
+                               _query_matrix_definition(terms, *dims), rtol=1e-6, atol=1e-6)
+    x = np.random.default_rng(5).normal(size=(1, 3, 2, 4)).astype(np.float32)
+    rope = {"x": x, "positions": np.arange(3, dtype=np.int64),
+            "inv_freq": 10.0 ** -np.arange(2, dtype=np.float64)}
+    got = _run(_without_body(_rope_model("float32"), "Rope"), rope, True)["out"]
+    np.testing.assert_allclose(got, _rope_reference(**rope), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(bias=lambda f: f["bias"][:, :, :4]),
+     r"input bias must have shape (B|1, 1, T, S); received (1, 1, 4, 37"),
+    (dict(t0=lambda f: np.array(3, np.int64)),
+     r"input wq must have shape (B|1, G, 1 or >= t0 + T, M, M); received (2, 2, 19, 2"),
+    (dict(s0=lambda f: np.array(1, np.int64)),
+     r"input kw1 must have shape (B, >= s0 + S, G, R, M); received (2, 37, 2, 2"),
+    (dict(s0=lambda f: np.array(-1, np.int64)), r"need t0 >= 0 and s0 >= 0; received t0=0, s0=-1"),
+])
+def test_probs_rejects_bad_blocks_with_the_input_named(change, message):
+    feeds = _probs_feeds("ProbsQK_QK")
+    sess = core.session(_probs_model("ProbsQK_QK", feeds))
+    feeds.update({n: np.array(f(feeds)) for n, f in change.items()})   # contiguous, 0-d kept
+    with pytest.raises(Exception, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("|", r"\|").replace("+", r"\+")):
+        sess.run(None, feeds)
+
+
 @pytest.mark.parametrize("what, bad, message", [
     ("wq", lambda f: f["wq"][..., :3], "input wq must have shape (B|1, G, T|1, M, M)"),
     ("kw1", lambda f: f["kw1"][:, :5], "input kw1 must have shape (B, S, G, R, M)"),
@@ -233,7 +365,10 @@ def test_plain_export_has_no_compose_nodes_and_agrees():
     nodes = core.export_layer(cfg, p, core.CallSpec(use_causal_mask=True))
     assert [f.name for f in plain.functions] == ["DCMHA"]
     assert core.kernel_ops_used(plain.functions[0].node) == []
-    assert [f.name for f in nodes.functions] == ["DCMHA", "ComposeQKD", "QueryMatrixWDS", "Rope"]
+    assert [f.name for f in nodes.functions][0] == "DCMHA"
+    # the kernel ops, and the Compose op that the Probs op's body calls
+    assert sorted(f.name for f in nodes.functions[1:]) == [
+        "ComposeQKD", "ProbsQKD_QKD", "QueryMatrixWDS", "Rope"]
     want = ref.attention(p, cfg, x, use_causal_mask=True)
     _close(_run(plain, {"query": x}, True)["output"], want, 1e-5)
     _close(_run(nodes, {"query": x}, True)["output"], want, 1e-5)
@@ -326,7 +461,7 @@ def test_decode_graph_reads_its_cache_through_cache_heads():
         assert [n.op_type for n in fn.node if n.domain == "dcmha"].count(
             core.CACHE_OPS[dtype]) == 2
         assert sorted(f.name for f in model.functions) == sorted(
-            ["DCMHA", "ComposeQKD", "QueryMatrixWD", core.CACHE_OPS[dtype]])
+            ["DCMHA", "ComposeQKD", "ProbsQKD_QKD", "QueryMatrixWD", core.CACHE_OPS[dtype]])
 
 
 # ---------------------------------------------------------------------------

@@ -138,16 +138,19 @@ def test_graph_structure_and_dynamic_axes(compose_nodes):
     assert (fn.domain, fn.name) == ("dcmha", "DCMHA")
     assert list(fn.input)[:1] == ["query"] and list(fn.output) == ["output"]
     assert list(fn.input)[1:] == list(ref.param_shapes(cfg, D, D, 7))
-    if compose_nodes:   # both composes (in the chunk Loop) are ComposeQKD nodes, their
-        # per-query matrix (made once, outside the Loop) one QueryMatrixWD node
-        assert [(f.domain, f.name) for f in composes] == [("dcmha", "ComposeQKD"),
-                                                          ("dcmha", "QueryMatrixWD")]
-        assert all({n.domain for n in f.node} == {""} for f in composes)   # plain-op bodies
-        assert core.kernel_ops_used(fn.node) == ["ComposeQKD", "QueryMatrixWD"]
+    if compose_nodes:   # a chunk's probabilities (in the chunk Loop) one ProbsQKD_QKD node,
+        # the per-query matrices (made once, outside the Loop) QueryMatrixWD nodes
+        assert sorted((f.domain, f.name) for f in composes) == [
+            ("dcmha", "ComposeQKD"), ("dcmha", "ProbsQKD_QKD"), ("dcmha", "QueryMatrixWD")]
+        bodies = {f.name: {(n.domain, n.op_type if n.domain else "") for n in f.node}
+                  for f in composes}
+        assert bodies == {"ComposeQKD": {("", "")}, "QueryMatrixWD": {("", "")},   # plain ops
+                          "ProbsQKD_QKD": {("", ""), ("dcmha", "ComposeQKD")}}
+        assert core.kernel_ops_used(fn.node) == ["ProbsQKD_QKD", "QueryMatrixWD"]
         assert [n.op_type for n in fn.node if n.domain == "dcmha"] == ["QueryMatrixWD"] * 2
         loop = [n for n in fn.node if n.op_type == "Loop"][0]
         assert [n.op_type for n in loop.attribute[0].g.node if n.domain == "dcmha"] == [
-            "ComposeQKD", "ComposeQKD"]
+            "ProbsQKD_QKD"]
     else:
         assert composes == []
         assert {n.domain for n in fn.node} == {""}            # a plain-op body
@@ -225,7 +228,7 @@ def test_layers_share_a_function_per_configuration():
     core.check_model(model)
     # one function per kernel op for all three calls
     assert sorted(f.name for f in model.functions) == ["ComposeQKD", "DCMHA", "DCMHA_2",
-                                                       "QueryMatrixWD"]
+                                                       "ProbsQKD_QKD", "QueryMatrixWD"]
     assert [n.op_type for n in model.graph.node if n.domain == "dcmha"] == ["DCMHA", "DCMHA_2", "DCMHA"]
     x_np = np.random.default_rng(7).normal(size=(1, 4, D)).astype(np.float32)
     want = x_np

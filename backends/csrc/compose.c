@@ -404,13 +404,14 @@ void dcmha_fill_args(Args *a, const int64_t *d, int64_t R, const float *x, const
     }
 }
 
-/* dst (B, G, rest, S) from src (B, S, G, rest) whose key positions lie `row` floats apart
-   (G * rest when contiguous; more for one slot's part of the decode cache's stacked entry). */
+/* dst (B, G, rest, S) from src (B, S_b, G, rest) whose key positions lie `row` floats apart
+   (G * rest when contiguous; more for one slot's part of the decode cache's stacked entry),
+   batch b from position b * b_rows (b_rows = S_b >= S: the first S of each batch's). */
 static void keys_last(const float *src, int64_t B, int64_t S, int64_t G, int64_t rest,
-                      int64_t row_stride, float *dst) {
+                      int64_t row_stride, int64_t b_rows, float *dst) {
     for (int64_t b = 0; b < B; b++)
         for (int64_t s = 0; s < S; s++) {
-            const float *row = src + (b * S + s) * row_stride;
+            const float *row = src + (b * b_rows + s) * row_stride;
             float *o = dst + b * G * rest * S + s;
             for (int64_t i = 0; i < G * rest; i++) o[i * S] = row[i];
         }
@@ -422,19 +423,20 @@ int64_t dcmha_cached_scratch(int64_t B, int64_t G, int64_t M, int64_t S, int64_t
 }
 
 /* dcmha_cached_args with the key positions of kw1 / kw2 kw_row floats apart and those of
-   kdd kd_row apart (0: contiguous). */
+   kdd kd_row apart (0: contiguous), and each batch's key terms k_rows positions long (the
+   first S used). */
 static void cached_args_rows(Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int64_t S,
                              int64_t R, const float *x, float *out, const float *wq,
                              int64_t wq_b, int64_t wq_t, const float *kw1, const float *kw2,
-                             const float *kdd, int64_t kw_row, int64_t kd_row,
+                             const float *kdd, int64_t kw_row, int64_t kd_row, int64_t k_rows,
                              float *scratch) {
     const int64_t n_kw = kw1 ? B * G * R * M * S : 0;
     float *k1 = scratch, *k2 = scratch + n_kw, *kd = scratch + 2 * n_kw;
     if (kw1) {
-        keys_last(kw1, B, S, G, R * M, kw_row ? kw_row : G * R * M, k1);
-        keys_last(kw2, B, S, G, R * M, kw_row ? kw_row : G * R * M, k2);
+        keys_last(kw1, B, S, G, R * M, kw_row ? kw_row : G * R * M, k_rows, k1);
+        keys_last(kw2, B, S, G, R * M, kw_row ? kw_row : G * R * M, k_rows, k2);
     }
-    if (kdd) keys_last(kdd, B, S, G, M, kd_row ? kd_row : G * M, kd);
+    if (kdd) keys_last(kdd, B, S, G, M, kd_row ? kd_row : G * M, k_rows, kd);
     const int64_t d[5] = {B, G, M, T, S};
     const int64_t flags = (wq ? DCMHA_HAS_WQ : 0) | (kw1 ? DCMHA_HAS_KW : 0)
                           | (kdd ? DCMHA_HAS_KDD : 0);
@@ -451,7 +453,16 @@ void dcmha_cached_args(Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int6
                        int64_t R, const float *x, float *out, const float *wq, int64_t wq_b,
                        int64_t wq_t, const float *kw1, const float *kw2, const float *kdd,
                        float *scratch) {
-    cached_args_rows(a, B, G, M, T, S, R, x, out, wq, wq_b, wq_t, kw1, kw2, kdd, 0, 0, scratch);
+    cached_args_rows(a, B, G, M, T, S, R, x, out, wq, wq_b, wq_t, kw1, kw2, kdd, 0, 0, S,
+                     scratch);
+}
+
+void dcmha_cached_args_part(Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int64_t S,
+                            int64_t R, const float *x, float *out, const float *wq,
+                            int64_t wq_b, int64_t wq_t, const float *kw1, const float *kw2,
+                            const float *kdd, int64_t k_rows, float *scratch) {
+    cached_args_rows(a, B, G, M, T, S, R, x, out, wq, wq_b, wq_t, kw1, kw2, kdd, 0, 0, k_rows,
+                     scratch);
 }
 
 void dcmha_query_matrix(int64_t B, int64_t T, int64_t G, int64_t M, int64_t R,
@@ -485,7 +496,7 @@ static int compose_cached_rows(int64_t B, int64_t G, int64_t M, int64_t T, int64
     float *wq = n_wq ? scratch : 0;
     if (wq) dcmha_query_matrix(B, T, G, M, Rq, qw1, qw2, qdd, st, wq, 0);
     Args a;
-    cached_args_rows(&a, B, G, M, T, S, Rk, x, out, wq, B, T, kw1, kw2, kdd, kw_row, kd_row,
+    cached_args_rows(&a, B, G, M, T, S, Rk, x, out, wq, B, T, kw1, kw2, kdd, kw_row, kd_row, S,
                      scratch + n_wq);
     const int failed = dcmha_compose_forward(&a);
     free(scratch);
@@ -557,6 +568,98 @@ int dcmha_decode_probs(int64_t B, int64_t G, int64_t M, int64_t S, const float *
         failed = compose_cached_rows(B, G, M, 1, S, post_rq, post_rk, probs, p, post_qw1,
                                      post_qw2, post_qdd, post_static, post_kw1, post_kw2,
                                      post_kdd, post_kw_row, post_kd_row);
+    free(tmp);
+    return failed;
+}
+
+/* exp(x) of VL lanes with x <= 0 (a softmax's shifted scores): 2^k p(r) with
+   k = round(x log2 e), r = x - k ln 2 (two-part ln 2) and p the degree-7 Taylor polynomial
+   (relative error ~1e-8 on |r| <= ln2 / 2, below float32's rounding); 0 below -87.3 (where
+   float32's exp underflows), so masked keys get exactly 0. */
+typedef int32_t vi __attribute__((vector_size(4 * VL), aligned(4)));
+INLINE vf vexp(vf x) {
+    const vf zero = {0}, lo = zero - 87.3f;
+    const vi under = x < lo;
+    x = (vf)(((vi)x & ~under) | ((vi)lo & under));
+    const vf k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round */
+    const vf r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
+    vf p = r * (1.0f / 5040) + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const vi scale = (__builtin_convertvector(k, vi) + 127) << 23;
+    return (vf)((vi)(p * (vf)scale) & ~under);
+}
+
+/* Each of n rows of S floats (row i at x + i * S) as softmax(row + bias row), in place, in
+   float32; bias row i at bias + i * bias_i (S floats). */
+static void bias_softmax_rows(float *x, int64_t n, int64_t S, const float *bias,
+                              int64_t bias_i) {
+    const int64_t sv = S - S % VL;
+    for (int64_t i = 0; i < n; i++) {
+        float *row = x + i * S;
+        const float *br = bias + i * bias_i;
+        float mx = -INFINITY;
+        for (int64_t s = 0; s < S; s++) {
+            row[s] += br[s];
+            mx = row[s] > mx ? row[s] : mx;
+        }
+        vf sum = {0};
+        for (int64_t s = 0; s < sv; s += VL) {
+            const vf e = vexp(LD(row + s) - mx);
+            ST(row + s, e);
+            sum += e;
+        }
+        float total = hsum(&sum);
+        for (int64_t s = sv; s < S; s++) total += row[s] = expf(row[s] - mx);
+        const float inv = 1.0f / total;
+        for (int64_t s = 0; s < S; s++) row[s] *= inv;
+    }
+}
+
+/* Rows per block of dcmha_probs_rows: a block's (B, N, rows, S) scores stay in L2. */
+#define PROBS_ROWS 8
+
+int dcmha_probs_rows(const Args *pre, const Args *post, const float *x, float *out,
+                     const float *bias, int64_t bias_b, int64_t B, int64_t N, int64_t T,
+                     int64_t S, int64_t r0, int64_t r1) {
+    const int64_t rows = r1 - r0 < PROBS_ROWS ? r1 - r0 : PROBS_ROWS;
+    float *tmp = (float *)malloc(sizeof(float) * (size_t)(B * N * (rows > 0 ? rows : 1) * S));
+    if (!tmp) return 1;
+    int failed = 0;
+    for (int64_t i0 = r0; i0 < r1 && !failed; i0 += PROBS_ROWS) {
+        const int64_t tb = r1 - i0 < PROBS_ROWS ? r1 - i0 : PROBS_ROWS;
+        /* x's rows [i0, i0 + tb) -> tmp (B, N, tb, S): composed, or copied */
+        if (pre) {
+            Args a = *pre;
+            a.t = tb;
+            a.x = x + i0 * S;
+            a.out = tmp; a.o_b = N * tb * S; a.o_n = tb * S; a.o_i = S;
+            if (a.wq) a.wq += i0 * a.wq_i;
+            failed = dcmha_compose_forward(&a);
+        } else {
+            for (int64_t bn = 0; bn < B * N; bn++)
+                memcpy(tmp + bn * tb * S, x + (bn * T + i0) * S, sizeof(float) * (size_t)(tb * S));
+        }
+        for (int64_t b = 0; b < B; b++)       /* + the mask's bias, softmax over the keys */
+            for (int64_t n = 0; n < N; n++)
+                bias_softmax_rows(tmp + (b * N + n) * tb * S, tb, S,
+                                  bias + ((bias_b == 1 ? 0 : b) * T + i0) * S, S);
+        if (post) {                           /* tmp -> out's rows: composed, or copied */
+            Args a = *post;
+            a.t = tb;
+            a.x = tmp; a.x_b = N * tb * S; a.x_n = tb * S; a.x_i = S;
+            a.out = out + i0 * S;
+            if (a.wq) a.wq += i0 * a.wq_i;
+            failed = failed || dcmha_compose_forward(&a);
+        } else {
+            for (int64_t bn = 0; bn < B * N; bn++)
+                memcpy(out + (bn * T + i0) * S, tmp + bn * tb * S, sizeof(float) * (size_t)(tb * S));
+        }
+    }
     free(tmp);
     return failed;
 }

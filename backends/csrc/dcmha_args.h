@@ -82,10 +82,29 @@ DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_cached_args(
     Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int64_t S, int64_t R,
     const float *x, float *out, const float *wq, int64_t wq_b, int64_t wq_t,
     const float *kw1, const float *kw2, const float *kdd, float *scratch);
+/* dcmha_cached_args for a part of larger terms: wq (wq_b, G, wq_t, M, M) at the part's first
+   row (wq_t the full row count, or 1: broadcast) and kw1, kw2, kdd at the part's first key
+   position, each batch's key terms k_rows positions long (S of them used). */
+DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_cached_args_part(
+    Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int64_t S, int64_t R,
+    const float *x, float *out, const float *wq, int64_t wq_b, int64_t wq_t,
+    const float *kw1, const float *kw2, const float *kdd, int64_t k_rows, float *scratch);
 DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_compose_cached(
     int64_t B, int64_t G, int64_t M, int64_t T, int64_t S, int64_t Rq, int64_t Rk,
     const float *x, float *out, const float *qw1, const float *qw2, const float *qdd,
     const float *st, const float *kw1, const float *kw2, const float *kdd);
+
+/* Attention probabilities of query rows [r0, r1) from their scores, as a Compose, a biased
+   softmax and a Compose: out = Compose_post(softmax(Compose_pre(x) + bias)) for x, out
+   (B, N, T, S) (head n = g M + m) and bias (bias_b, 1, T, S) with bias_b in {1, B} (the
+   mask's 0 / MASKED_SCORE); the softmax in float32 over S. pre / post: a stage's Args
+   for x and out (dcmha_cached_args: its terms; x, out and t are set per block), NULL for
+   an absent stage. The rows go in blocks of a few (their (B, N, rows, S) scores stay in
+   cache). 0 on success, 1 when out of memory. */
+DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_probs_rows(const Args *pre, const Args *post,
+                                                  const float *x, float *out, const float *bias,
+                                                  int64_t bias_b, int64_t B, int64_t N,
+                                                  int64_t T, int64_t S, int64_t r0, int64_t r1);
 
 /* The spec's query factor of each (b, t, g): wq[n, m] = [n == m] (1 + qdd[n])
    + sum_r qw1[r, m] qw2[r, n] + static[g, m, n] (out[n] = sum_m wq[n, m] x[m], the residual

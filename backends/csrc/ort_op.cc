@@ -201,70 +201,117 @@ OrtStatus *mismatch(const char *what, const char *expected, const Tensor &t) {
     return status(kInvalidArgument, msg);
 }
 
-OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
-    const Op &op = *static_cast<const Op *>(kernel);
-    Tensor x, wq, kw1, kw2, kdd;
-    OrtStatus *st;
-    size_t i = 0;
-    if ((st = read_input(ctx, i++, "x", 4, x))) return st;
+/* One compose stage's inputs (flags: DCMHA_HAS_WQ / KW / KDD), read from input i on
+   (i advanced past them) and checked against x (B, N, T, S); then its Args for x -> out
+   (stage_args: the key-side terms copied keys-last into scratch, resized there).
+   part: the terms may be longer than x's block, which is their rows [t0, t0 + T) and keys
+   [s0, s0 + S) (wq's row axis may still be 1: broadcast); else exactly x's T (or 1) and S. */
+struct Stage {
+    Tensor wq, kw1, kw2, kdd;
+    int64_t G = 0, R = 1, S_all = 0;
+};
+
+OrtStatus *read_stage(OrtKernelContext *ctx, size_t &i, int64_t flags, const Tensor &x,
+                      Stage &t, bool part = false, int64_t t0 = 0, int64_t s0 = 0) {
     const int64_t B = x.dims[0], N = x.dims[1], T = x.dims[2], S = x.dims[3];
-    int64_t G = 0, R = 1;
-    if (op.flags & DCMHA_HAS_WQ) {
-        if ((st = read_input(ctx, i++, "wq", 5, wq))) return st;
-        G = wq.dims[1];
+    OrtStatus *st;
+    if (flags & DCMHA_HAS_WQ) {
+        if ((st = read_input(ctx, i++, "wq", 5, t.wq))) return st;
+        t.G = t.wq.dims[1];
     }
-    if (op.flags & DCMHA_HAS_KW) {
-        if ((st = read_input(ctx, i++, "kw1", 5, kw1))) return st;
-        if ((st = read_input(ctx, i++, "kw2", 5, kw2))) return st;
-        G = G ? G : kw1.dims[2];
-        R = kw1.dims[3];
+    if (flags & DCMHA_HAS_KW) {
+        if ((st = read_input(ctx, i++, "kw1", 5, t.kw1))) return st;
+        if ((st = read_input(ctx, i++, "kw2", 5, t.kw2))) return st;
+        t.G = t.G ? t.G : t.kw1.dims[2];
+        t.R = t.kw1.dims[3];
+        t.S_all = t.kw1.dims[1];
     }
-    if (op.flags & DCMHA_HAS_KDD) {
-        if ((st = read_input(ctx, i++, "kdd", 4, kdd))) return st;
-        G = G ? G : kdd.dims[2];
+    if (flags & DCMHA_HAS_KDD) {
+        if ((st = read_input(ctx, i++, "kdd", 4, t.kdd))) return st;
+        t.G = t.G ? t.G : t.kdd.dims[2];
+        t.S_all = t.S_all ? t.S_all : t.kdd.dims[1];
     }
+    const int64_t G = t.G;
     if (G <= 0 || N % G) {
         char msg[120];
         std::snprintf(msg, sizeof msg, "dcmha Compose: %lld heads in x do not split into %lld "
                       "groups", (long long)N, (long long)G);
         return status(kInvalidArgument, msg);
     }
-    const int64_t M = N / G;
-    if ((op.flags & DCMHA_HAS_WQ) &&
-        ((wq.dims[0] != B && wq.dims[0] != 1) || (wq.dims[2] != T && wq.dims[2] != 1) ||
-         wq.dims[3] != M || wq.dims[4] != M))
-        return mismatch("wq", "(B|1, G, T|1, M, M)", wq);
-    if (op.flags & DCMHA_HAS_KW) {
-        const Tensor *pair[2] = {&kw1, &kw2};
-        for (const Tensor *t : pair)
-            if (t->dims[0] != B || t->dims[1] != S || t->dims[2] != G || t->dims[3] != R ||
-                t->dims[4] != M)
-                return mismatch(t == &kw1 ? "kw1" : "kw2", "(B, S, G, R, M)", *t);
+    const int64_t M = N / G, rows = t.wq.dims[2];
+    const bool rows_ok = part ? rows == 1 || rows >= t0 + T : rows == 1 || rows == T;
+    const bool keys_ok = part ? t.S_all >= s0 + S : t.S_all == S;
+    if ((flags & DCMHA_HAS_WQ) && ((t.wq.dims[0] != B && t.wq.dims[0] != 1) || !rows_ok ||
+                                   t.wq.dims[3] != M || t.wq.dims[4] != M))
+        return mismatch("wq", part ? "(B|1, G, 1 or >= t0 + T, M, M)" : "(B|1, G, T|1, M, M)",
+                        t.wq);
+    if (flags & DCMHA_HAS_KW) {
+        const Tensor *pair[2] = {&t.kw1, &t.kw2};
+        for (const Tensor *k : pair)
+            if (k->dims[0] != B || k->dims[1] != t.S_all || !keys_ok || k->dims[2] != G ||
+                k->dims[3] != t.R || k->dims[4] != M)
+                return mismatch(k == &t.kw1 ? "kw1" : "kw2",
+                                part ? "(B, >= s0 + S, G, R, M)" : "(B, S, G, R, M)", *k);
     }
-    if ((op.flags & DCMHA_HAS_KDD) &&
-        (kdd.dims[0] != B || kdd.dims[1] != S || kdd.dims[2] != G || kdd.dims[3] != M))
-        return mismatch("kdd", "(B, S, G, M)", kdd);
+    if ((flags & DCMHA_HAS_KDD) &&
+        (t.kdd.dims[0] != B || t.kdd.dims[1] != t.S_all || !keys_ok || t.kdd.dims[2] != G ||
+         t.kdd.dims[3] != M))
+        return mismatch("kdd", part ? "(B, >= s0 + S, G, M) (as kw1's)" : "(B, S, G, M)", t.kdd);
+    return nullptr;
+}
 
+void stage_args(Args &a, const Stage &t, const Tensor &x, float *out,
+                std::vector<float> &scratch, int64_t t0 = 0, int64_t s0 = 0) {
+    const int64_t B = x.dims[0], N = x.dims[1], T = x.dims[2], S = x.dims[3], M = N / t.G;
+    const int64_t n = dcmha_cached_scratch(B, t.G, M, S, t.R, t.kw1.data != nullptr,
+                                           t.kdd.data != nullptr);
+    if (scratch.size() < (size_t)n) scratch.resize((size_t)n);
+    const int64_t wq_t = t.wq.dims[2];
+    auto at = [](const float *p, int64_t offset) { return p ? p + offset : p; };
+    dcmha_cached_args_part(&a, B, t.G, M, T, S, t.R, x.data, out,
+                           at(t.wq.data, wq_t == 1 ? 0 : t0 * M * M), t.wq.dims[0], wq_t,
+                           at(t.kw1.data, s0 * t.G * t.R * M), at(t.kw2.data, s0 * t.G * t.R * M),
+                           at(t.kdd.data, s0 * t.G * M), t.S_all,
+                           scratch.data());     /* an absent term's data is NULL */
+}
+
+/* Runs part(job, p) for p < parts (at most 8, one per query row when T < 8) over the
+   intra-op threads where onnxruntime has KernelContext_ParallelFor, else in turn. */
+OrtStatus *in_parts(OrtKernelContext *ctx, int64_t T, void (*part)(void *, size_t), void *job,
+                    int64_t &parts) {
+    parts = T < 8 ? T : 8;
+    if (parts > 1 && g_parallel)
+        return api<OrtStatus *(*)(OrtKernelContext *, void (*)(void *, size_t), size_t, size_t,
+                                  void *)>(kKernelContextParallelFor)(ctx, part, (size_t)parts,
+                                                                      0, job);
+    parts = 1;
+    part(job, 0);
+    return nullptr;
+}
+
+OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
+    const Op &op = *static_cast<const Op *>(kernel);
+    Tensor x;
+    Stage t;
+    OrtStatus *st;
+    size_t i = 0;
+    if ((st = read_input(ctx, i++, "x", 4, x))) return st;
+    if ((st = read_stage(ctx, i, op.flags, x, t))) return st;
     void *out_data = nullptr;
     if ((st = output(ctx, x.dims, 4, out_data))) return st;
-    if (B * N * T * S == 0) return nullptr;
+    if (x.dims[0] * x.dims[1] * x.dims[2] * x.dims[3] == 0) return nullptr;
 
     /* the key-side terms keys-last, in one scratch buffer per thread */
     thread_local std::vector<float> scratch;
-    const int64_t n = dcmha_cached_scratch(B, G, M, S, R, (op.flags & DCMHA_HAS_KW) != 0,
-                                           (op.flags & DCMHA_HAS_KDD) != 0);
-    if (scratch.size() < (size_t)n) scratch.resize((size_t)n);
     Args a;
-    dcmha_cached_args(&a, B, G, M, T, S, R, x.data, static_cast<float *>(out_data),
-                      wq.data, wq.dims[0], wq.dims[2], kw1.data, kw2.data, kdd.data,
-                      scratch.data());     /* an absent term's data is NULL */
+    stage_args(a, t, x, static_cast<float *>(out_data), scratch);
     /* query rows in parts over the intra-op threads: each part is the same call on rows
        [t0, t1) (the key-side terms are shared) */
     struct Parts {
         Args a;
         int64_t parts;
         int failed;
-    } job{a, T < 8 ? T : 8, 0};
+    } job{a, 1, 0};
     auto run = [](void *data, size_t p) {
         Parts &j = *static_cast<Parts *>(data);
         const int64_t T = j.a.t, t0 = T * (int64_t)p / j.parts, t1 = T * ((int64_t)p + 1) / j.parts;
@@ -275,16 +322,71 @@ OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
         if (part.wq) part.wq += t0 * j.a.wq_i;
         if (part.t > 0 && dcmha_compose_forward(&part)) j.failed = 1;
     };
-    if (job.parts > 1 && g_parallel) {
-        if ((st = api<OrtStatus *(*)(OrtKernelContext *, void (*)(void *, size_t), size_t, size_t,
-                                     void *)>(kKernelContextParallelFor)(
-                 ctx, run, (size_t)job.parts, 0, &job)))
-            return st;
-    } else {
-        job.parts = 1;
-        run(&job, 0);
-    }
+    if ((st = in_parts(ctx, a.t, run, &job, job.parts))) return st;
     if (job.failed) return status(kFail, "dcmha Compose: out of memory");
+    return nullptr;
+}
+
+/* Probs<pre>_<post>: (x, bias, t0, s0, [pre terms], [post terms]) -> Compose_post(softmax(
+   Compose_pre(x) + bias)) (flags: the pre stage's DCMHA_HAS_* bits, the post stage's << 3),
+   x the block of the terms' rows [t0, t0 + T) and keys [s0, s0 + S). */
+OrtStatus *probs(void *kernel, OrtKernelContext *ctx) {
+    const Op &op = *static_cast<const Op *>(kernel);
+    const int64_t fpre = op.flags & 7, fpost = (op.flags >> 3) & 7;
+    Tensor x, bias, t0, s0;
+    Stage pre, post;
+    OrtStatus *st;
+    size_t i = 0;
+    if ((st = read_input(ctx, i++, "x", 4, x))) return st;
+    if ((st = read_input(ctx, i++, "bias", 4, bias))) return st;
+    if ((st = read_input(ctx, i++, "t0", 0, t0, kInt64))) return st;
+    if ((st = read_input(ctx, i++, "s0", 0, s0, kInt64))) return st;
+    const int64_t r0 = *reinterpret_cast<const int64_t *>(t0.data),
+                  k0 = *reinterpret_cast<const int64_t *>(s0.data);
+    if (r0 < 0 || k0 < 0) {
+        char msg[120];
+        std::snprintf(msg, sizeof msg, "dcmha Probs: need t0 >= 0 and s0 >= 0; received t0=%lld, "
+                      "s0=%lld", (long long)r0, (long long)k0);
+        return status(kInvalidArgument, msg);
+    }
+    if ((fpre && (st = read_stage(ctx, i, fpre, x, pre, true, r0, k0))) ||
+        (fpost && (st = read_stage(ctx, i, fpost, x, post, true, r0, k0))))
+        return st;
+    const int64_t B = x.dims[0], N = x.dims[1], T = x.dims[2], S = x.dims[3];
+    if ((bias.dims[0] != B && bias.dims[0] != 1) || bias.dims[1] != 1 || bias.dims[2] != T ||
+        bias.dims[3] != S)
+        return mismatch("bias", "(B|1, 1, T, S)", bias);
+    void *out_data = nullptr;
+    if ((st = output(ctx, x.dims, 4, out_data))) return st;
+    if (B * N * T * S == 0) return nullptr;
+    thread_local std::vector<float> scratch_pre, scratch_post;
+    struct Parts {
+        Args pre, post;
+        const Args *pre_p, *post_p;
+        const float *x, *bias;
+        float *out;
+        int64_t bias_b, B, N, T, S, parts;
+        int failed;
+    } job;
+    float *out = static_cast<float *>(out_data);
+    if (fpre) stage_args(job.pre, pre, x, out, scratch_pre, r0, k0);
+    if (fpost) stage_args(job.post, post, x, out, scratch_post, r0, k0);
+    job.pre_p = fpre ? &job.pre : nullptr;
+    job.post_p = fpost ? &job.post : nullptr;
+    job.x = x.data;
+    job.bias = bias.data;
+    job.out = out;
+    job.bias_b = bias.dims[0];
+    job.B = B; job.N = N; job.T = T; job.S = S;
+    job.failed = 0;
+    auto run = [](void *data, size_t p) {
+        Parts &j = *static_cast<Parts *>(data);
+        if (dcmha_probs_rows(j.pre_p, j.post_p, j.x, j.out, j.bias, j.bias_b, j.B, j.N, j.T, j.S,
+                             j.T * (int64_t)p / j.parts, j.T * ((int64_t)p + 1) / j.parts))
+            j.failed = 1;
+    };
+    if ((st = in_parts(ctx, T, run, &job, job.parts))) return st;
+    if (job.failed) return status(kFail, "dcmha Probs: out of memory");
     return nullptr;
 }
 
@@ -527,6 +629,15 @@ constexpr OrtCustomOp rope_op() {
                        release_pairs};
 }
 
+int probs_input_type(const OrtCustomOp *, size_t i) { return i == 2 || i == 3 ? kInt64 : kFloat; }
+
+constexpr OrtCustomOp probs_op() {
+    return OrtCustomOp{kOpVersion, create, name_of, cpu, probs_input_type, input_count, float_type,
+                       one, compute_v1<probs>, destroy, required, required, default_memory,
+                       arity, arity, arity, arity, create_v2, probs, nullptr, first_version,
+                       last_version, no_pairs, release_pairs, no_pairs, release_pairs};
+}
+
 constexpr int64_t Q = DCMHA_HAS_WQ, K = DCMHA_HAS_KW, D = DCMHA_HAS_KDD;
 Op g_ops[] = {
     {base_op(), "ComposeQ", Q, 2},           {base_op(), "ComposeK", K, 3},
@@ -545,6 +656,34 @@ Op g_ops[] = {
     {rope_op(), "Rope16", kFloat16, 3},
 };
 
+/* Every op: g_ops, then Probs<pre>_<post> for each pair of stages (a stage: the letters of
+   a Compose op, or none; not both none), in dcmha.export.core.PROBS_OPS's order. Built once;
+   onnxruntime keeps pointers to the entries. */
+const std::vector<Op> &all_ops() {
+    static const std::vector<std::string> names = [] {
+        std::vector<std::string> n;
+        for (const char *a : {"", "Q", "K", "D", "QK", "QD", "KD", "QKD"})
+            for (const char *b : {"", "Q", "K", "D", "QK", "QD", "KD", "QKD"})
+                if (*a || *b) n.push_back(std::string("Probs") + a + "_" + b);
+        return n;
+    }();
+    static const std::vector<Op> ops = [] {
+        std::vector<Op> all(std::begin(g_ops), std::end(g_ops));
+        for (const std::string &name : names) {
+            int64_t flags = 0, inputs = 4;   /* x, bias, t0, s0, then the stages' terms */
+            const size_t cut = name.find('_');
+            for (size_t c = 5; c < name.size(); c++) {
+                const int64_t bit = name[c] == 'Q' ? Q : name[c] == 'K' ? K : name[c] == 'D' ? D : 0;
+                flags |= c < cut ? bit : bit << 3;
+                inputs += name[c] == 'K' ? 2 : bit ? 1 : 0;
+            }
+            all.push_back(Op{probs_op(), name.c_str(), flags, (size_t)inputs});
+        }
+        return all;
+    }();
+    return ops;
+}
+
 }  // namespace
 
 extern "C" DCMHA_EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
@@ -556,7 +695,7 @@ extern "C" DCMHA_EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
     OrtCustomOpDomain *domain = nullptr;
     OrtStatus *st = api<OrtStatus *(*)(const char *, OrtCustomOpDomain **)>(
         kCreateCustomOpDomain)("dcmha", &domain);
-    for (Op &op : g_ops)
+    for (const Op &op : all_ops())
         if (!st)
             st = api<OrtStatus *(*)(OrtCustomOpDomain *, const OrtCustomOp *)>(
                 kCustomOpDomainAdd)(domain, &op.base);
@@ -566,11 +705,11 @@ extern "C" DCMHA_EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
     return st;
 }
 
-/* The names of the ops registered (g_ops), separated by spaces (the loader checks them). */
+/* The names of the ops registered (all_ops), separated by spaces (the loader checks them). */
 extern "C" DCMHA_EXPORT const char *dcmha_ort_op_names(void) {
     static const std::string names = [] {
         std::string all;
-        for (const Op &op : g_ops) all += (all.empty() ? "" : " ") + std::string(op.name);
+        for (const Op &op : all_ops()) all += (all.empty() ? "" : " ") + std::string(op.name);
         return all;
     }();
     return names.c_str();
