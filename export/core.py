@@ -67,8 +67,10 @@ EXPORTED_TERMS = frozenset({"qw1", "qw2", "kw1", "kw2", "qdd", "kdd", "static"})
 #: K (key-side rank-R pair), D (key-side gating).
 COMPOSE_OPS = ("ComposeQ", "ComposeK", "ComposeD", "ComposeQK", "ComposeQD", "ComposeKD",
                "ComposeQKD")
-#: A decode step's key / value cache range, heads first (``cache_heads_function``), by dtype.
+#: A decode step's key / value cache range, heads first (``cache_heads_function``), by dtype;
+#: and a float16 cache's range as float32.
 CACHE_OPS = {"float32": "CacheHeads", "float16": "CacheHeads16"}
+CACHE_WIDEN_OP = "CacheHeads16F"
 #: The per-query matrix of a Compose node's Q input from the spec's query-side terms
 #: (``query_matrix_function``), by the terms it takes: W (qw1, qw2), D (qdd), S (static).
 QUERY_OPS = ("QueryMatrixW", "QueryMatrixD", "QueryMatrixWD", "QueryMatrixWS", "QueryMatrixDS",
@@ -81,8 +83,8 @@ ROPE_OPS = {"float32": "Rope", "float16": "Rope16"}
 STAGE_LETTERS = ("",) + tuple(n[len("Compose"):] for n in COMPOSE_OPS)
 PROBS_OPS = tuple(f"Probs{a}_{b}" for a in STAGE_LETTERS for b in STAGE_LETTERS if a or b)
 #: Every op of the ``dcmha`` domain that ``dcmha.export.ort_ops`` runs as compiled code.
-KERNEL_OPS = (COMPOSE_OPS + tuple(CACHE_OPS.values()) + QUERY_OPS + tuple(ROPE_OPS.values())
-              + PROBS_OPS)
+KERNEL_OPS = (COMPOSE_OPS + tuple(CACHE_OPS.values()) + (CACHE_WIDEN_OP,) + QUERY_OPS
+              + tuple(ROPE_OPS.values()) + PROBS_OPS)
 #: Queries per chunk of the chunked attention (``attend_chunks``) unless the
 #: configuration sets ``query_chunk_size``: with plain-op composes, and with Compose nodes
 #: (the kernel leaves less work per chunk, so fewer, larger chunks pay: benchmarks/RESULTS.md).
@@ -759,10 +761,11 @@ class _Body:
             rows = (cut(q, tt, 1), cut_q(qf), cut(q_pos, tt, 0),
                     None if mask is None else cut(cut(mask, tt, 1), ss, 2))
         if call.decode and self.compose_nodes:   # the visible range heads first, one copy each
-            op = CACHE_OPS["float16" if self.ft == TensorProto.FLOAT16 else "float32"]
-            kh = e.op(op, k, s0, s1, domain=DOMAIN)                       # (B, N_kv, S, d)
-            cols = (e.cast(kh, self.ft, TensorProto.FLOAT), e.op(op, v, s0, s1, domain=DOMAIN),
-                    cut_k(kf))
+            # in float32 (a float16 cache widened in the same copy): the scores' and P.V's
+            # MatMuls run in float32 on onnxruntime's CPU provider either way
+            op = CACHE_OPS["float32"] if self.ft == TensorProto.FLOAT else CACHE_WIDEN_OP
+            cols = (e.op(op, k, s0, s1, domain=DOMAIN), e.op(op, v, s0, s1, domain=DOMAIN),
+                    cut_k(kf), TensorProto.FLOAT)                          # (B, N_kv, S, d)
         elif call.decode:
             cols = self.kv_layouts(cut(k, ss, 1), cut(v, ss, 1)) + (cut_k(kf),)
         else:
@@ -777,14 +780,14 @@ class _Body:
 
         rows: (q (B, T, N, d), the query factors (``factors``), absolute query positions
         (T,), attention_mask (B, T, S) or None); cols: (k (B, N_kv, S, d) float32,
-        v (B, N_kv, S, d_v), the key factors).
+        v (B, N_kv, S, d_v), the key factors[, v's type when it is not the dtype]).
         Returns (o (B, T, N*d_v), {"scores", "pre_composed", "probs", "attention_scores"}).
         """
         e, cfg, call, ft = self.e, self.cfg, self.call, self.ft
         F, I64 = TensorProto.FLOAT, TensorProto.INT64
         N, N_kv, d, d_v, G, M = cfg.N, cfg.N_kv, cfg.d, cfg.d_v, cfg.G, cfg.M
         q, qf, q_pos, mask = rows
-        k, v, kf = cols
+        k, v, kf = cols[:3]
         outputs: Dict[str, str] = {}
 
         # mask (T, S) or (B, T, S), True = attend; None when nothing is masked
@@ -884,16 +887,17 @@ class _Body:
             p = e.op("Mul", p, keep)
         p = to_bnts(p)                                                               # (B, N, T, S)
         outputs["attention_scores"] = p
-        # the probabilities leave float32 only for P.V (as in the Keras layer)
-        vh = v                                                                       # (B, N_kv, S, d_v)
-        pc = e.cast(p, F, ft)
+        # the probabilities leave float32 only for P.V (as in the Keras layer); with v in
+        # float32 (``cols``' optional 4th entry: v's type), rounded to the dtype and back
+        vh, v_type = v, (cols[3] if len(cols) > 3 else ft)                           # (B, N_kv, S, d_v)
+        pc = e.cast(e.cast(p, F, ft), ft, v_type)
         if rep == 1:
             o = e.op("MatMul", pc, vh)                                               # (B, N, T, d_v)
         else:
             p5 = e.op("Reshape", pc, e.op("Concat", e.dims(pc, 0, 1), e.i64(N_kv, rep),
                                           e.dims(pc, 2, 4), axis=0))
             o = e.reshape(e.op("MatMul", p5, e.op("Unsqueeze", vh, e.i64(2))), 0, N, -1, d_v)
-        o = e.op("Transpose", o, perm=[0, 2, 1, 3])                                  # (B, T, N, d_v)
+        o = e.op("Transpose", e.cast(o, v_type, ft), perm=[0, 2, 1, 3])             # (B, T, N, d_v)
         return e.reshape(o, 0, 0, N * d_v), outputs
 
 def compose_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProto:
@@ -982,18 +986,21 @@ def probs_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProto
 
 
 def cache_heads_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProto:
-    """The local function ``dcmha.CacheHeads`` (float32) / ``CacheHeads16`` (float16):
-    (cache (B, S_max, H, d), start, stop: int64 scalars) -> the cache's positions
-    [start, stop) heads first, (B, H, stop - start, d). A decode step's Slice and Transpose
-    of its key / value cache, which the compiled op does in one copy."""
-    if name not in CACHE_OPS.values():
+    """The local function ``dcmha.CacheHeads`` (float32) / ``CacheHeads16`` (float16) /
+    ``CacheHeads16F`` (a float16 cache, float32 out): (cache (B, S_max, H, d), start, stop:
+    int64 scalars) -> the cache's positions [start, stop) heads first, (B, H, stop - start,
+    d). A decode step's Slice and Transpose (and Cast) of its key / value cache, which the
+    compiled op does in one copy."""
+    if name not in tuple(CACHE_OPS.values()) + (CACHE_WIDEN_OP,):
         raise ValueError(f"Not a CacheHeads op name: {name!r} (expected one of "
-                         f"{sorted(CACHE_OPS.values())}).")
+                         f"{sorted(CACHE_OPS.values()) + [CACHE_WIDEN_OP]}).")
     e = Emitter()
     part = e.op("Slice", "cache", e.op("Unsqueeze", "start", e.i64(0)),
                 e.op("Unsqueeze", "stop", e.i64(0)), e.i64(1))
-    e.nodes.append(helper.make_node("Transpose", [part], ["out"], name="out_transpose",
-                                    perm=[0, 2, 1, 3]))
+    out = e.op("Transpose", part, perm=[0, 2, 1, 3])
+    if name == CACHE_WIDEN_OP:
+        out = e.op("Cast", out, to=TensorProto.FLOAT)
+    rename_value(e.nodes, out, "out")
     return helper.make_function(DOMAIN, name, ["cache", "start", "stop"], ["out"], e.nodes,
                                 [helper.make_opsetid("", check_opset(opset))],
                                 doc_string=cache_heads_function.__doc__.split(":", 1)[1].strip())
@@ -1095,7 +1102,9 @@ def kernel_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProt
         return query_matrix_function(name, opset)
     if name in PROBS_OPS:
         return probs_function(name, opset)
-    return (cache_heads_function if name in CACHE_OPS.values() else compose_function)(name, opset)
+    if name in tuple(CACHE_OPS.values()) + (CACHE_WIDEN_OP,):
+        return cache_heads_function(name, opset)
+    return compose_function(name, opset)
 
 
 def kernel_ops_used(nodes: Sequence[onnx.NodeProto]) -> List[str]:

@@ -422,29 +422,37 @@ def _one_op_model(name, ft, inputs, rank=4):
     return model
 
 
-def _cache_heads_model(dtype):
-    ft = core.DTYPES[dtype]
-    return _one_op_model(core.CACHE_OPS[dtype], ft, [("cache", ft, [None] * 4),
-                                                     ("start", TensorProto.INT64, []),
-                                                     ("stop", TensorProto.INT64, [])])
+#: name -> (the cache's dtype, the output's)
+CACHE_HEADS = {"CacheHeads": ("float32", "float32"), "CacheHeads16": ("float16", "float16"),
+               core.CACHE_WIDEN_OP: ("float16", "float32")}
+
+
+def _cache_heads_model(name):
+    ft, out = (core.DTYPES[t] for t in CACHE_HEADS[name])
+    return _one_op_model(name, out, [("cache", ft, [None] * 4), ("start", TensorProto.INT64, []),
+                                     ("stop", TensorProto.INT64, [])])
 
 
 @pytest.mark.parametrize("kernel", KERNEL)
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("name", CACHE_HEADS)
 @pytest.mark.parametrize("start, stop", [(0, 9), (0, 1), (3, 7), (8, 9)])
-def test_cache_heads_is_the_range_heads_first(start, stop, dtype, kernel):
+def test_cache_heads_is_the_range_heads_first(start, stop, name, kernel):
+    dtype, out_dtype = CACHE_HEADS[name]
     cache = np.random.default_rng(7).normal(size=(2, 9, 3, 5)).astype(core.NP_DTYPES[dtype])
-    model = _cache_heads_model(dtype)
+    cache[0, 0, 0, :4] = [np.inf, -np.inf, 6e-8, -0.0]   # exact in float16 and widened
+    model = _cache_heads_model(name)
     onnx.checker.check_model(model, full_check=True)
     out = _run(model, {"cache": cache, "start": np.array(start, np.int64),
                        "stop": np.array(stop, np.int64)}, kernel)["out"]
-    assert out.dtype == cache.dtype
-    np.testing.assert_array_equal(out, cache[:, start:stop].transpose(0, 2, 1, 3))
+    assert out.dtype == np.dtype(out_dtype)
+    want = cache[:, start:stop].transpose(0, 2, 1, 3).astype(out_dtype)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(np.signbit(out), np.signbit(want))
 
 
 @pytest.mark.parametrize("start, stop", [(-1, 3), (4, 4), (5, 3), (0, 10)])
 def test_cache_heads_rejects_a_range_outside_the_cache(start, stop):
-    sess = core.session(_cache_heads_model("float32"))
+    sess = core.session(_cache_heads_model("CacheHeads"))
     cache = np.zeros((1, 9, 2, 4), np.float32)
     with pytest.raises(Exception, match=r"CacheHeads: need 0 <= start < stop <= 9 \(the cache "
                                         rf"length\); received start={start}, stop={stop}"):
@@ -458,10 +466,11 @@ def test_decode_graph_reads_its_cache_through_cache_heads():
         model = core.export_layer(cfg, _params(cfg, D_out=D), core.CallSpec(decode=True),
                                   dtype=dtype)
         fn = model.functions[0]
-        assert [n.op_type for n in fn.node if n.domain == "dcmha"].count(
-            core.CACHE_OPS[dtype]) == 2
+        # a float16 cache is read into float32 (the MatMuls' type) in the same copy
+        op = core.CACHE_OPS["float32"] if dtype == "float32" else core.CACHE_WIDEN_OP
+        assert [n.op_type for n in fn.node if n.domain == "dcmha"].count(op) == 2
         assert sorted(f.name for f in model.functions) == sorted(
-            ["DCMHA", "ComposeQKD", "ProbsQKD_QKD", "QueryMatrixWD", core.CACHE_OPS[dtype]])
+            ["DCMHA", "ComposeQKD", "ProbsQKD_QKD", "QueryMatrixWD", op])
 
 
 # ---------------------------------------------------------------------------

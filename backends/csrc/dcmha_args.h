@@ -155,6 +155,8 @@ DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_rope_rows(int64_t r0, int64_t r1, int64_
                                                   int64_t d, const void *x, void *out,
                                                   const float *c, const float *s, int f16);
 DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_round_to_half(float *v, int64_t n);
+/* f[i] = h[i] for n float16 values h (exact). */
+DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_half_to_float(const uint16_t *h, float *f, int64_t n);
 
 /* Every field of Args, in declaration order (the loader checks each by name). */
 #define DCMHA_ARGS_FIELDS(F)                                                            \

@@ -13,7 +13,8 @@
    dynamic weights and of the decode cache (the kernel copies them keys-last). Without Q the
    residual x is the base term.
 
-       CacheHeads (float32) / CacheHeads16 (float16): (cache, start, stop) -> out
+       CacheHeads (float32) / CacheHeads16 (float16) / CacheHeads16F (a float16 cache, float32
+       out): (cache, start, stop) -> out
 
    cache (B, S_max, H, d), start and stop int64 scalars, 0 <= start < stop <= S_max;
    out (B, H, stop - start, d) = the cache's positions [start, stop), heads first: the
@@ -391,9 +392,12 @@ OrtStatus *probs(void *kernel, OrtKernelContext *ctx) {
 }
 
 /* CacheHeads: out (B, H, stop - start, d) = cache (B, S_max, H, d)[:, start:stop], heads first. */
+constexpr int64_t kToFloat = 1 << 8;   /* CacheHeads16F: a float16 cache, float32 heads */
+
 OrtStatus *cache_heads(void *kernel, OrtKernelContext *ctx) {
     const Op &op = *static_cast<const Op *>(kernel);
-    const int type = (int)op.flags;
+    const int type = (int)(op.flags & 0xff);
+    const bool widen = (op.flags & kToFloat) != 0;
     const size_t item = type == kFloat16 ? 2 : 4;
     Tensor cache, start, stop;
     OrtStatus *st;
@@ -419,8 +423,14 @@ OrtStatus *cache_heads(void *kernel, OrtKernelContext *ctx) {
     for (int64_t b = 0; b < B; b++)
         for (int64_t s = 0; s < L; s++) {
             const char *in = src + ((size_t)(b * S + s0 + s) * H) * row;
-            for (int64_t h = 0; h < H; h++)
-                std::memcpy(dst + ((size_t)((b * H + h) * L + s)) * row, in + (size_t)h * row, row);
+            for (int64_t h = 0; h < H; h++) {
+                const size_t at = (size_t)((b * H + h) * L + s);
+                if (widen)
+                    dcmha_half_to_float(reinterpret_cast<const uint16_t *>(in + (size_t)h * row),
+                                        reinterpret_cast<float *>(dst) + at * d, d);
+                else
+                    std::memcpy(dst + at * row, in + (size_t)h * row, row);
+            }
         }
     return nullptr;
 }
@@ -567,9 +577,11 @@ int rope_input_type(const OrtCustomOp *o, size_t i) {
 }
 
 int cache_heads_input_type(const OrtCustomOp *o, size_t i) {
-    return i == 0 ? (int)op_of(o).flags : kInt64;
+    return i == 0 ? (int)(op_of(o).flags & 0xff) : kInt64;
 }
-int cache_heads_output_type(const OrtCustomOp *o, size_t) { return (int)op_of(o).flags; }
+int cache_heads_output_type(const OrtCustomOp *o, size_t) {
+    return op_of(o).flags & kToFloat ? kFloat : (int)(op_of(o).flags & 0xff);
+}
 
 template <OrtStatus *(*F)(void *, OrtKernelContext *)>
 void compute_v1(void *kernel, OrtKernelContext *ctx) {
@@ -646,6 +658,7 @@ Op g_ops[] = {
     {base_op(), "ComposeQKD", Q | K | D, 5},
     {cache_heads_op(), "CacheHeads", kFloat, 3},
     {cache_heads_op(), "CacheHeads16", kFloat16, 3},
+    {cache_heads_op(), "CacheHeads16F", kFloat16 | kToFloat, 3},
     {query_matrix_op(), "QueryMatrixW", kW, 2},
     {query_matrix_op(), "QueryMatrixD", kD, 1},
     {query_matrix_op(), "QueryMatrixWD", kW | kD, 3},
