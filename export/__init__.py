@@ -65,7 +65,7 @@ def to_onnx(obj, path, *, opset: Optional[int] = None, dynamic: bool = True,
             ``dcmha.export.ort_ops`` (``dcmha.export.session`` does) runs as the
             compiled compose kernel, about 1.5x faster per layer on a CPU
             (benchmarks/RESULTS.md); the same holds for the RoPE of the query and key
-            heads (``dcmha.Rope``), each stage's per-query matrix
+            heads (``dcmha.Rope*``), each stage's per-query matrix
             (``dcmha.QueryMatrix*``), a causal block's compose, softmax and compose
             (``dcmha.Probs*``) and a decode step's cache reads (``dcmha.CacheHeads``).
             False: all of these inline as plain ops (the fastest graph for a runtime

@@ -75,8 +75,10 @@ CACHE_WIDEN_OP = "CacheHeads16F"
 #: (``query_matrix_function``), by the terms it takes: W (qw1, qw2), D (qdd), S (static).
 QUERY_OPS = ("QueryMatrixW", "QueryMatrixD", "QueryMatrixWD", "QueryMatrixWS", "QueryMatrixDS",
              "QueryMatrixWDS")
-#: The rotate-half RoPE of the query and key heads (``rope_function``), by dtype.
+#: The rotate-half RoPE of the query and key heads (``rope_function``), by dtype; and the
+#: same read from a projection's output, heads first (``rope_heads_function``).
 ROPE_OPS = {"float32": "Rope", "float16": "Rope16"}
+ROPE_HEADS_OPS = {"float32": "RopeHeads", "float16": "RopeHeads16"}
 #: A causal block's probabilities from its scores, Compose_post(softmax(Compose_pre(x) +
 #: bias)), as one op (``probs_function``): ``Probs<pre>_<post>``, each stage the letters of
 #: its Compose op or none (not both none).
@@ -84,7 +86,7 @@ STAGE_LETTERS = ("",) + tuple(n[len("Compose"):] for n in COMPOSE_OPS)
 PROBS_OPS = tuple(f"Probs{a}_{b}" for a in STAGE_LETTERS for b in STAGE_LETTERS if a or b)
 #: Every op of the ``dcmha`` domain that ``dcmha.export.ort_ops`` runs as compiled code.
 KERNEL_OPS = (COMPOSE_OPS + tuple(CACHE_OPS.values()) + (CACHE_WIDEN_OP,) + QUERY_OPS
-              + tuple(ROPE_OPS.values()) + PROBS_OPS)
+              + tuple(ROPE_OPS.values()) + tuple(ROPE_HEADS_OPS.values()) + PROBS_OPS)
 #: Queries per chunk of the chunked attention (``attend_chunks``) unless the
 #: configuration sets ``query_chunk_size``: with plain-op composes, and with Compose nodes
 #: (the kernel leaves less work per chunk, so fewer, larger chunks pay: benchmarks/RESULTS.md).
@@ -258,6 +260,9 @@ class _Body:
         self.D_q, self.D_kv, self.D_out = widths
         self.e = Emitter()
         self.w = {n: n for n in weights}
+        # q (B, N, T, d) and k (B, N_kv, S, d) heads first (``fused_projections``), instead
+        # of (B, T, N, d) and (B, S, N_kv, d)
+        self.heads_first = False
 
     # -- elementwise pieces ------------------------------------------------
     def c(self, value, dtype=None):
@@ -296,6 +301,17 @@ class _Body:
         return _rope_ops(self.e, x, positions, inv, self.e.i64(cfg.d // 2), self.e.i64(cfg.d),
                          self.ft)
 
+    def _rope_heads(self, y, positions):
+        """(q (B, N, L, d), k (B, N_kv, L, d)): the query and key heads of a projection's
+        output y (B, L, W) (its first (N + N_kv) d columns) after RoPE, heads first, as one
+        ``dcmha.RopeHeads`` / ``RopeHeads16`` node (``rope_heads_function``)."""
+        cfg, e = self.cfg, self.e
+        inv_freq = cfg.rope_max_wavelength ** (-np.arange(cfg.d // 2, dtype=np.float64) * 2.0 / cfg.d)
+        name = ROPE_HEADS_OPS["float16" if self.ft == TensorProto.FLOAT16 else "float32"]
+        self.heads_first = True
+        return e.op(name, y, positions, e.const(inv_freq, TensorProto.DOUBLE),
+                    e.i64(cfg.N, cfg.N_kv), domain=DOMAIN, outputs=2)
+
     # -- projections -------------------------------------------------------
     def project(self, x, kernel, bias, D, H, hd):
         e = self.e
@@ -332,10 +348,19 @@ class _Body:
         y = e.op("MatMul", x, e.op("Concat", *kernels, axis=1))
         if biases:
             y = e.op("Add", y, e.op("Concat", *biases, axis=0))
-        outs = dict(zip([n for n, _ in parts], e.op("Split", y, e.i64(*sizes), axis=-1,
-                                                   outputs=len(parts))
-                        if len(parts) > 1 else [y]))
-        qk = e.reshape(outs["qk"], 0, 0, N + N_kv, d)
+        # a forward call's RoPE straight from y, heads first (``_rope_heads``): the other
+        # parts sliced out of y, the q | k part left in place
+        heads = (self.compose_nodes and not self.call.decode and not cfg.qk_norm
+                 and cfg.rope_max_wavelength is not None)
+        if heads:
+            ends = np.cumsum(sizes)
+            outs = {n: e.op("Slice", y, e.i64(int(end - size)), e.i64(int(end)), e.i64(-1))
+                    for (n, _), size, end in zip(parts, sizes, ends) if n != "qk"}
+        else:
+            outs = dict(zip([n for n, _ in parts], e.op("Split", y, e.i64(*sizes), axis=-1,
+                                                       outputs=len(parts))
+                            if len(parts) > 1 else [y]))
+        qk = None if heads else e.reshape(outs["qk"], 0, 0, N + N_kv, d)
         if cfg.qk_norm:
             scale = e.op("Concat", *[e.op("Expand", e.op("Unsqueeze", w[n], e.i64(0)), e.i64(H, d))
                                      for n, H in (("query_norm_scale", N), ("key_norm_scale", N_kv))],
@@ -347,9 +372,12 @@ class _Body:
             positions = e.op("Range", "cache_update_index", e.op("Add", "cache_update_index", T), one)
         else:
             positions = e.op("Range", e.const(0, TensorProto.INT64), T, one)
-        if cfg.rope_max_wavelength is not None:
-            qk = self.rope(qk, positions)
-        q, k = e.op("Split", qk, e.i64(N, N_kv), axis=2, outputs=2)
+        if heads:
+            q, k = self._rope_heads(y, positions)
+        else:
+            if cfg.rope_max_wavelength is not None:
+                qk = self.rope(qk, positions)
+            q, k = e.op("Split", qk, e.i64(N, N_kv), axis=2, outputs=2)
         return q, k, e.reshape(outs["v"], 0, 0, N_kv, d_v), positions, outs
 
     def unstack(self, x, axis, num):
@@ -646,15 +674,16 @@ class _Body:
         rows = (q, qf, q_pos, "attention_mask" if call.attention_mask else None)
         # the MatMul layouts of k and v: made once for every chunk, but in a decode step
         # only for the keys written so far (``_block``)
+        S = e.scalar_dim(k, 2 if self.heads_first else 1)                   # keys
         cols = (k, v, kf) if call.decode else self.kv_layouts(k, v) + (kf,)
         if call.return_attention_scores or call.intermediates:
             # the (B, N, T, S) outputs cover every key: one block, nothing skipped
             if call.decode:
                 cols = self.kv_layouts(k, v) + (kf,)
-            o, full = self.attend(rows, cols, zero, e.scalar_dim(k, 1))
+            o, full = self.attend(rows, cols, zero, S)
             outputs.update(full)
         else:
-            o = self.attend_chunks(rows, cols, T, e.scalar_dim(k, 1),
+            o = self.attend_chunks(rows, cols, T, S,
                                    "cache_update_index" if call.decode else zero)
         y = e.op("MatMul", o, e.reshape(w["output_kernel"], N * d_v, self.D_out))
         if cfg.use_bias:
@@ -713,8 +742,9 @@ class _Body:
         """(k (B, N_kv, S, d) float32, v (B, N_kv, S, d_v)) from k, v (B, S, N_kv, ...): the
         positions of both on axis 2, where a chunk's key range is a contiguous run per head."""
         e = self.e
-        return (e.cast(e.op("Transpose", k, perm=[0, 2, 1, 3]), self.ft, TensorProto.FLOAT),
-                e.op("Transpose", v, perm=[0, 2, 1, 3]))
+        if not self.heads_first:
+            k = e.op("Transpose", k, perm=[0, 2, 1, 3])
+        return e.cast(k, self.ft, TensorProto.FLOAT), e.op("Transpose", v, perm=[0, 2, 1, 3])
 
     def _block(self, rows, cols, t0, t1, S, offset):
         """attend() of the queries [t0, t1) to the keys they can see (terms.key_range): the
@@ -758,7 +788,7 @@ class _Body:
         if call.decode:   # one block of every query: only the keys are cut
             rows = (q, qf, q_pos, None if mask is None else cut(mask, ss, 2))
         else:
-            rows = (cut(q, tt, 1), cut_q(qf), cut(q_pos, tt, 0),
+            rows = (cut(q, tt, 2 if self.heads_first else 1), cut_q(qf), cut(q_pos, tt, 0),
                     None if mask is None else cut(cut(mask, tt, 1), ss, 2))
         if call.decode and self.compose_nodes:   # the visible range heads first, one copy each
             # in float32 (a float16 cache widened in the same copy): the scores' and P.V's
@@ -778,7 +808,8 @@ class _Body:
         ``offsets`` (t0, s0): where the block lies in the query and key factors, which
         are then uncut (for ``_probs_node``); None: the factors are the block's.
 
-        rows: (q (B, T, N, d), the query factors (``factors``), absolute query positions
+        rows: (q (B, T, N, d), or (B, N, T, d) with ``heads_first``, the query factors
+        (``factors``), absolute query positions
         (T,), attention_mask (B, T, S) or None); cols: (k (B, N_kv, S, d) float32,
         v (B, N_kv, S, d_v), the key factors[, v's type when it is not the dtype]).
         Returns (o (B, T, N*d_v), {"scores", "pre_composed", "probs", "attention_scores"}).
@@ -809,7 +840,8 @@ class _Body:
         # scores in float32. GQA: query head h reads kv head h // rep; the query heads are
         # grouped as (N_kv, rep) so that MatMul broadcasts k and v instead of copying them.
         rep = N // N_kv
-        q32 = e.cast(e.op("Transpose", q, perm=[0, 2, 1, 3]), ft, F)                 # (B, N, T, d)
+        q32 = e.cast(q if self.heads_first else e.op("Transpose", q, perm=[0, 2, 1, 3]), ft, F)
+        # (B, N, T, d)
         # k (B, N_kv, S, d) transposed right at the MatMul: onnxruntime folds the transpose
         # into the product (FusedMatMul, transB) instead of copying k
         if rep == 1:
@@ -1094,10 +1126,37 @@ def rope_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProto:
                                 doc_string=rope_function.__doc__.split(":", 1)[1].strip())
 
 
+def rope_heads_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProto:
+    """The local function ``dcmha.RopeHeads`` (float32) / ``RopeHeads16`` (float16): (y
+    (B, L, W), positions (L,) int64, inv_freq (d/2,) float64, heads (2,) int64 = (N, N_kv))
+    -> (q (B, N, L, d), k (B, N_kv, L, d)): y's first (N + N_kv) d columns as N query then
+    N_kv key heads of d, rotated as ``rope_function`` does, heads first."""
+    if name not in ROPE_HEADS_OPS.values():
+        raise ValueError(f"Not a RopeHeads op name: {name!r} (expected one of "
+                         f"{sorted(ROPE_HEADS_OPS.values())}).")
+    ft = DTYPES[next(k for k, v in ROPE_HEADS_OPS.items() if v == name)]
+    e = Emitter()
+    half = e.op("Shape", "inv_freq")
+    d = e.op("Mul", half, e.i64(2))
+    N, H = e.op("Slice", "heads", e.i64(0), e.i64(1)), e.op("ReduceSum", "heads", keepdims=1)
+    qk = e.op("Slice", "y", e.i64(0), e.op("Mul", H, d), e.i64(2))
+    qk = e.op("Reshape", qk, e.op("Concat", e.dims("y", 0, 2), H, d, axis=0))    # (B, L, H, d)
+    rotated = _rope_ops(e, qk, "positions", "inv_freq", half, d, ft)
+    for out, lo, hi in (("q", e.i64(0), N), ("k", N, H)):
+        e.nodes.append(helper.make_node(
+            "Transpose", [e.op("Slice", rotated, lo, hi, e.i64(2))], [out], name="out_" + out,
+            perm=[0, 2, 1, 3]))
+    return helper.make_function(DOMAIN, name, ["y", "positions", "inv_freq", "heads"], ["q", "k"],
+                                e.nodes, [helper.make_opsetid("", check_opset(opset))],
+                                doc_string=rope_heads_function.__doc__.split(":", 1)[1].strip())
+
+
 def kernel_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProto:
     """The local function of one of ``KERNEL_OPS``."""
     if name in ROPE_OPS.values():
         return rope_function(name, opset)
+    if name in ROPE_HEADS_OPS.values():
+        return rope_heads_function(name, opset)
     if name in QUERY_OPS:
         return query_matrix_function(name, opset)
     if name in PROBS_OPS:

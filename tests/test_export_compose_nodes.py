@@ -570,6 +570,56 @@ def test_rope_kernel_agrees_with_its_body_and_the_formula(dtype):
                                    atol=scale)
 
 
+def _rope_heads_model(dtype):
+    ft = core.DTYPES[dtype]
+    ins = [helper.make_tensor_value_info("y", ft, [None] * 3),
+           helper.make_tensor_value_info("positions", TensorProto.INT64, [None]),
+           helper.make_tensor_value_info("inv_freq", TensorProto.DOUBLE, [None]),
+           helper.make_tensor_value_info("heads", TensorProto.INT64, [2])]
+    name = core.ROPE_HEADS_OPS[dtype]
+    node = helper.make_node(name, [i.name for i in ins], ["q", "k"], domain=core.DOMAIN)
+    graph = helper.make_graph([node], name, ins, [helper.make_tensor_value_info(n, ft, [None] * 4)
+                                                  for n in ("q", "k")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(core.DOMAIN, 1)],
+                              functions=[core.kernel_function(name)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("kernel", KERNEL)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rope_heads_rotates_a_projections_heads_heads_first(dtype, kernel):
+    # y's first (N + N_kv) d columns: N query heads then N_kv key heads; the rest ignored
+    B, L, N, N_kv, d, W = 2, 5, 3, 2, 6, 37
+    rng = np.random.default_rng(13)
+    y = rng.normal(size=(B, L, W)).astype(core.NP_DTYPES[dtype])
+    positions = np.array([4, 0, 9, 2, 3], np.int64)
+    inv = 50.0 ** (-np.arange(d // 2, dtype=np.float64) * 2.0 / d)
+    model = _rope_heads_model(dtype)
+    onnx.checker.check_model(model, full_check=True)
+    out = _run(model, {"y": y, "positions": positions, "inv_freq": inv,
+                       "heads": np.array([N, N_kv], np.int64)}, kernel)
+    want = _rope_reference(y[:, :, :(N + N_kv) * d].reshape(B, L, N + N_kv, d), positions, inv)
+    tol = 1e-6 if dtype == "float32" else 2e-3
+    for name, part in (("q", want[:, :, :N]), ("k", want[:, :, N:])):
+        assert out[name].dtype == y.dtype
+        np.testing.assert_allclose(out[name].astype(np.float64), part.transpose(0, 2, 1, 3),
+                                   rtol=tol, atol=tol)
+
+
+def test_rope_heads_rejects_heads_wider_than_the_projection():
+    sess = core.session(_rope_heads_model("float32"))
+    with pytest.raises(Exception, match=r"dcmha RopeHeads: need positions \(L,\), inv_freq "
+                                        r"\(d/2,\) and heads \(N, N_kv\), both >= 1, with "
+                                        r"\(N \+ N_kv\) d <= W for x \(B, L, W\) = \(1, 2, 20\); "
+                                        r"received positions \(2,\), inv_freq \(2,\), heads of 2 "
+                                        r"values"):
+        sess.run(None, {"y": np.zeros((1, 2, 20), np.float32),
+                        "positions": np.arange(2, dtype=np.int64),
+                        "inv_freq": np.ones(2, np.float64), "heads": np.array([3, 3], np.int64)})
+
+
 def test_rope_rejects_an_inv_freq_of_the_wrong_length():
     sess = core.session(_rope_model("float32"))
     with pytest.raises(Exception, match=r"dcmha Rope: need positions \(L,\) and inv_freq "

@@ -777,30 +777,31 @@ void dcmha_round_to_half(float *v, int64_t n) {
 }
 
 void dcmha_rope_rows(int64_t r0, int64_t r1, int64_t L, int64_t H, int64_t d, const void *x,
-                     void *out, const float *c, const float *s, int f16) {
-    const int64_t h2 = d / 2;
+                     int64_t x_row, void *out0, void *out1, int64_t H0, int heads_first,
+                     const float *c, const float *s, int f16) {
+    const int64_t h2 = d / 2, item = f16 ? 2 : 4;
     float in[d], res[d];
     for (int64_t r = r0; r < r1; r++) {
         const float *cr = c + (r % L) * h2, *sr = s + (r % L) * h2;
+        const int64_t b = r / L, l = r % L;
         for (int64_t h = 0; h < H; h++) {
-            const int64_t at = (r * H + h) * d;
-            const float *xi = (const float *)x + at;
-            float *o = (float *)out + at;
+            const int64_t hk = h < H0 ? h : h - H0, Hk = h < H0 ? H0 : H - H0;
+            const int64_t at = heads_first ? ((b * Hk + hk) * L + l) * d : (r * Hk + hk) * d;
+            const char *src = (const char *)x + (r * x_row + h * d) * item;
+            char *dst = (char *)(h < H0 ? out0 : out1) + at * item;
+            const float *xi = (const float *)src;
+            float *o = (float *)dst;
             if (f16) {
-                const uint16_t *src = (const uint16_t *)x + at;
-                dcmha_half_to_float(src, in, d);
+                dcmha_half_to_float((const uint16_t *)src, in, d);
                 xi = in;
                 o = res;
             }
             for (int64_t i = 0; i < h2; i++) {
-                const float a = xi[i], b = xi[i + h2];
-                o[i] = a * cr[i] - b * sr[i];
-                o[i + h2] = b * cr[i] + a * sr[i];
+                const float u = xi[i], v = xi[i + h2];
+                o[i] = u * cr[i] - v * sr[i];
+                o[i + h2] = v * cr[i] + u * sr[i];
             }
-            if (f16) {
-                uint16_t *dst = (uint16_t *)out + at;
-                floats_to_half(res, dst, d);
-            }
+            if (f16) floats_to_half(res, (uint16_t *)dst, d);
         }
     }
 }

@@ -146,14 +146,17 @@ DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_dynamic_weights(
     const float *dw1, const float *qkw, const float *dd, int gelu_approximate, float eps,
     float *w1, float *w2, float *ddo);
 
-/* The rotate-half RoPE of rows [r0, r1) of x (B L rows, H, d; row r = (b, l)) into out (the
-   same layout; float32, or float16 when f16): with h = d / 2 and row r's cos / sin rows
-   c, s + (r % L) h, out[j] = x[j] c[j] - x[j + h] s[j], out[j + h] = x[j + h] c[j] + x[j] s[j],
-   in float32. dcmha_round_to_half rounds n floats to float16 precision in place (nearest
-   even). */
+/* The rotate-half RoPE of rows [r0, r1) of x (B L rows, row r = (b, l) at x + r x_row,
+   holding H heads of d values; float32, or float16 when f16): with h = d / 2 and row r's
+   cos / sin rows c, s + (r % L) h, out[j] = x[j] c[j] - x[j + h] s[j],
+   out[j + h] = x[j + h] c[j] + x[j] s[j], in float32. Heads [0, H0) go to out0, the rest
+   to out1, each (B, L, heads, d), or (B, heads, L, d) when heads_first.
+   dcmha_round_to_half rounds n floats to float16 precision in place (nearest even). */
 DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_rope_rows(int64_t r0, int64_t r1, int64_t L, int64_t H,
-                                                  int64_t d, const void *x, void *out,
-                                                  const float *c, const float *s, int f16);
+                                                  int64_t d, const void *x, int64_t x_row,
+                                                  void *out0, void *out1, int64_t H0,
+                                                  int heads_first, const float *c,
+                                                  const float *s, int f16);
 DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_round_to_half(float *v, int64_t n);
 /* f[i] = h[i] for n float16 values h (exact). */
 DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_half_to_float(const uint16_t *h, float *f, int64_t n);

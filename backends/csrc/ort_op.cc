@@ -27,12 +27,16 @@
    wq[n, m] = [n == m] (1 + qdd[n]) + sum_r qw1[r, m] qw2[r, n] + static[g, m, n].
 
        Rope (float32) / Rope16 (float16): (x, positions, inv_freq) -> out
+       RopeHeads (float32) / RopeHeads16 (float16): (y, positions, inv_freq, heads) -> q, k
 
    x, out (B, L, H, d), positions (L,) int64, inv_freq (d / 2,) float64: the rotate-half
    RoPE. With a = positions[l] inv_freq[j] (float64) and c, s = cos a, sin a rounded to x's
    type, out[.., j] = x[j] c - x[j + d/2] s and out[.., j + d/2] = x[j + d/2] c + x[j] s
    (each in float32; Rope16 rounds the result to float16 once). The cos / sin rows of the
    positions seen are kept per thread (grown on demand), so a call costs the rotation.
+   RopeHeads reads the heads from a projection's output y (B, L, W), heads (2,) int64 =
+   (N, N_kv): columns [0, (N + N_kv) d) are N query heads then N_kv key heads of d; it
+   writes them rotated, heads first: q (B, N, L, d), k (B, N_kv, L, d).
 
    The same ops are model-local functions of the exported graph (plain-op bodies,
    dcmha/export/core.py); a session that registers this library runs the kernel instead.
@@ -183,12 +187,13 @@ OrtStatus *read_input(OrtKernelContext *ctx, size_t i, const char *what, size_t 
     return nullptr;
 }
 
-/* The op's output 0 with these dims: its data in data, or an error status. */
-OrtStatus *output(OrtKernelContext *ctx, const int64_t *dims, size_t rank, void *&data) {
+/* The op's output `index` with these dims: its data in data, or an error status. */
+OrtStatus *output(OrtKernelContext *ctx, const int64_t *dims, size_t rank, void *&data,
+                  size_t index = 0) {
     OrtValue *out = nullptr;
     OrtStatus *st = api<OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t,
-                                       OrtValue **)>(kKernelContextGetOutput)(ctx, 0, dims, rank,
-                                                                               &out);
+                                       OrtValue **)>(kKernelContextGetOutput)(ctx, index, dims,
+                                                                               rank, &out);
     if (st) return st;
     return api<OrtStatus *(*)(OrtValue *, void **)>(kGetTensorMutableData)(out, &data);
 }
@@ -490,25 +495,53 @@ void rope_row(const double *inv, int64_t half, int64_t p, float *c, float *s) {
     }
 }
 
+constexpr int64_t kHeads = 1 << 8;   /* RopeHeads*: a projection's q | k columns, heads first */
+
 OrtStatus *rope(void *kernel, OrtKernelContext *ctx) {
     const Op &op = *static_cast<const Op *>(kernel);
-    const int type = (int)op.flags;
-    Tensor x, pos, inv;
+    const int type = (int)(op.flags & 0xff);
+    const bool split = (op.flags & kHeads) != 0;
+    Tensor x, pos, inv, heads;
     OrtStatus *st;
-    if ((st = read_input(ctx, 0, "x", 4, x, type))) return st;
+    if ((st = read_input(ctx, 0, "x", split ? 3 : 4, x, type))) return st;
     if ((st = read_input(ctx, 1, "positions", 1, pos, kInt64))) return st;
     if ((st = read_input(ctx, 2, "inv_freq", 1, inv, kDouble))) return st;
-    const int64_t B = x.dims[0], L = x.dims[1], H = x.dims[2], d = x.dims[3], half = d / 2;
-    if (pos.dims[0] != L || d % 2 || inv.dims[0] != half) {
-        char msg[200];
-        std::snprintf(msg, sizeof msg, "dcmha Rope: need positions (L,) and inv_freq (d/2,) for "
-                      "x (B, L, H, d) = (%lld, %lld, %lld, %lld) with d even; received "
-                      "positions (%lld,), inv_freq (%lld,)", (long long)B, (long long)L,
-                      (long long)H, (long long)d, (long long)pos.dims[0], (long long)inv.dims[0]);
-        return status(kInvalidArgument, msg);
+    const int64_t B = x.dims[0], L = x.dims[1], half = inv.dims[0], d = 2 * half;
+    int64_t H, H0, x_row;
+    void *out0 = nullptr, *out1 = nullptr;
+    if (split) {   /* x (B, L, W): heads[0] query heads, then heads[1] key heads of d */
+        if ((st = read_input(ctx, 3, "heads", 1, heads, kInt64))) return st;
+        const int64_t *nh = reinterpret_cast<const int64_t *>(heads.data);
+        H0 = heads.dims[0] == 2 ? nh[0] : 0;
+        H = heads.dims[0] == 2 ? nh[0] + nh[1] : 0;
+        x_row = x.dims[2];
+        if (heads.dims[0] != 2 || H0 < 1 || H <= H0 || pos.dims[0] != L || half < 1 ||
+            H * d > x_row) {
+            char msg[240];
+            std::snprintf(msg, sizeof msg, "dcmha RopeHeads: need positions (L,), inv_freq "
+                          "(d/2,) and heads (N, N_kv), both >= 1, with (N + N_kv) d <= W for x "
+                          "(B, L, W) = (%lld, %lld, %lld); received positions (%lld,), inv_freq "
+                          "(%lld,), heads of %lld values", (long long)B, (long long)L,
+                          (long long)x_row, (long long)pos.dims[0], (long long)half,
+                          (long long)heads.dims[0]);
+            return status(kInvalidArgument, msg);
+        }
+        const int64_t qd[4] = {B, H0, L, d}, kd[4] = {B, H - H0, L, d};
+        if ((st = output(ctx, qd, 4, out0, 0)) || (st = output(ctx, kd, 4, out1, 1))) return st;
+    } else {       /* x (B, L, H, d) -> out, the same layout */
+        H = H0 = x.dims[2];
+        x_row = H * x.dims[3];
+        if (pos.dims[0] != L || x.dims[3] % 2 || half != x.dims[3] / 2) {
+            char msg[200];
+            std::snprintf(msg, sizeof msg, "dcmha Rope: need positions (L,) and inv_freq (d/2,) "
+                          "for x (B, L, H, d) = (%lld, %lld, %lld, %lld) with d even; received "
+                          "positions (%lld,), inv_freq (%lld,)", (long long)B, (long long)L,
+                          (long long)H, (long long)x.dims[3], (long long)pos.dims[0],
+                          (long long)half);
+            return status(kInvalidArgument, msg);
+        }
+        if ((st = output(ctx, x.dims, 4, out0))) return st;
     }
-    void *out_data = nullptr;
-    if ((st = output(ctx, x.dims, 4, out_data))) return st;
     if (B * L * H * d == 0) return nullptr;
 
     /* this call's cos / sin rows (L, half), from the thread's table */
@@ -552,15 +585,16 @@ OrtStatus *rope(void *kernel, OrtKernelContext *ctx) {
     }
     struct Job {
         const void *x;
-        void *out;
+        void *out0, *out1;
         const float *c, *s;
-        int64_t L, H, d, rows, parts;
-        int f16;
-    } job{x.data, out_data, cs, sn, L, H, d, B * L, 1, type == kFloat16};
+        int64_t L, H, H0, d, x_row, rows, parts;
+        int f16, heads_first;
+    } job{x.data, out0, out1, cs, sn, L, H, H0, d, x_row, B * L, 1, type == kFloat16, split};
     auto run = [](void *data, size_t part) {   /* rows [r0, r1) of the B L rows */
         const Job &j = *static_cast<const Job *>(data);
         dcmha_rope_rows(j.rows * (int64_t)part / j.parts, j.rows * ((int64_t)part + 1) / j.parts,
-                        j.L, j.H, j.d, j.x, j.out, j.c, j.s, j.f16);
+                        j.L, j.H, j.d, j.x, j.x_row, j.out0, j.out1, j.H0, j.heads_first, j.c,
+                        j.s, j.f16);
     };
     const int64_t work = B * L * H * d;
     job.parts = g_parallel && work >= 65536 ? std::min<int64_t>(B * L, 8) : 1;
@@ -573,8 +607,10 @@ OrtStatus *rope(void *kernel, OrtKernelContext *ctx) {
 }
 
 int rope_input_type(const OrtCustomOp *o, size_t i) {
-    return i == 0 ? (int)op_of(o).flags : i == 1 ? kInt64 : kDouble;
+    return i == 0 ? (int)(op_of(o).flags & 0xff) : i == 2 ? kDouble : kInt64;
 }
+int rope_output_type(const OrtCustomOp *o, size_t) { return (int)(op_of(o).flags & 0xff); }
+size_t rope_outputs(const OrtCustomOp *o) { return op_of(o).flags & kHeads ? 2 : 1; }
 
 int cache_heads_input_type(const OrtCustomOp *o, size_t i) {
     return i == 0 ? (int)(op_of(o).flags & 0xff) : kInt64;
@@ -635,7 +671,7 @@ constexpr OrtCustomOp query_matrix_op() {
 
 constexpr OrtCustomOp rope_op() {
     return OrtCustomOp{kOpVersion, create, name_of, cpu, rope_input_type, input_count,
-                       cache_heads_output_type, one, compute_v1<rope>, destroy, required,
+                       rope_output_type, rope_outputs, compute_v1<rope>, destroy, required,
                        required, default_memory, arity, arity, arity, arity, create_v2, rope,
                        nullptr, first_version, last_version, no_pairs, release_pairs, no_pairs,
                        release_pairs};
@@ -667,6 +703,8 @@ Op g_ops[] = {
     {query_matrix_op(), "QueryMatrixWDS", kW | kD | kS, 4},
     {rope_op(), "Rope", kFloat, 3},
     {rope_op(), "Rope16", kFloat16, 3},
+    {rope_op(), "RopeHeads", kFloat | kHeads, 4},
+    {rope_op(), "RopeHeads16", kFloat16 | kHeads, 4},
 };
 
 /* Every op: g_ops, then Probs<pre>_<post> for each pair of stages (a stage: the letters of
