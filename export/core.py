@@ -263,6 +263,9 @@ class _Body:
         # q (B, N, T, d) and k (B, N_kv, S, d) heads first (``fused_projections``), instead
         # of (B, T, N, d) and (B, S, N_kv, d)
         self.heads_first = False
+        # the dynamic weights' type (``dynamic``): float32 where only kernel nodes, which
+        # take float32, read them (one Cast per kind, not one per slot), else the dtype
+        self.dyn_type = TensorProto.FLOAT if compose_nodes and not call.intermediates else self.ft
 
     # -- elementwise pieces ------------------------------------------------
     def c(self, value, dtype=None):
@@ -280,13 +283,14 @@ class _Body:
         t = e.op("Erf", e.op("Mul", x, self.c(1.0 / math.sqrt(2.0))))
         return e.op("Mul", e.op("Mul", x, self.c(0.5)), e.op("Add", t, self.c(1.0)))
 
-    def rms(self, x, eps):
-        """x / sqrt(mean(x**2, -1) + eps), in float32 (x**2 may overflow float16)."""
+    def rms(self, x, eps, out_type=None):
+        """x / sqrt(mean(x**2, -1) + eps), in float32 (x**2 may overflow float16); the
+        result in out_type (default: the dtype)."""
         e, F = self.e, TensorProto.FLOAT
         x32 = e.cast(x, self.ft, F)
         ms = e.op("ReduceMean", e.op("Mul", x32, x32), e.i64(-1), keepdims=1)
         y = e.op("Div", x32, e.op("Sqrt", e.op("Add", ms, self.c(eps, F))))
-        return e.cast(y, F, self.ft)
+        return e.cast(y, F, self.ft if out_type is None else out_type)
 
     def rope(self, x, positions):
         """Rotate-half RoPE of x (B, L, H, d) at int64 positions (L,); angles in float64.
@@ -422,8 +426,9 @@ class _Body:
                           self.c(np.eye(G * Cs).reshape(G, Cs, 1, G, Cs, 1), F))
             w = e.op("MatMul", h, e.cast(e.reshape(blocks, G * Cs * K, G * Cs * 2 * R * M), F, self.ft))
             w = e.reshape(w, 0, 0, G, Cs, 2 * R, M)
-            w1 = self.rms(e.op("Slice", w, e.i64(0), e.i64(R), e.i64(4)), ref.W1_NORM_EPS)
-            w2 = e.op("Slice", w, e.i64(R), e.i64(2 * R), e.i64(4))
+            w1 = self.rms(e.op("Slice", w, e.i64(0), e.i64(R), e.i64(4)), ref.W1_NORM_EPS,
+                          self.dyn_type)
+            w2 = e.cast(e.op("Slice", w, e.i64(R), e.i64(2 * R), e.i64(4)), self.ft, self.dyn_type)
             for c, s in enumerate(names):
                 if s in out:
                     out[s]["w1"] = e.op("Gather", w1, e.const(c, TensorProto.INT64), axis=3)
@@ -432,19 +437,20 @@ class _Body:
                 both = e.op("Gather", e.op("Concat", w1, w2, axis=4), at, axis=3)
                 both = e.op("Transpose", e.reshape(both, 0, 0, G, len(packed), 2, R, M),
                             perm=[0, 1, 3, 4, 2, 5, 6])
-                entries["key_w"] = e.reshape(both, 0, 0, 2 * len(packed), G, R, M)
+                entries["key_w"] = e.cast(e.reshape(both, 0, 0, 2 * len(packed), G, R, M),
+                                          self.dyn_type, self.ft)   # the cache's type
         if cfg.dynamic_gating:
             dd = self.w[prefix + "dd"]
             if sel is not None:
                 dd = e.reshape(e.op("Gather", e.reshape(dd, D, G, C, M), sel, axis=2), D, G * Cs * M)
             g = e.op("Tanh", pre.get("dd") or e.op("MatMul", x, e.reshape(dd, D, G * Cs * M)))
-            g = e.reshape(g, 0, 0, G, Cs, M)
+            g = e.cast(e.reshape(g, 0, 0, G, Cs, M), self.ft, self.dyn_type)
             for c, s in enumerate(names):
                 if s in out:
                     out[s]["dd"] = e.op("Gather", g, e.const(c, TensorProto.INT64), axis=3)
             if at is not None:   # (B, L, G, C_k, M) -> key_dd (B, L, C_k, G, M)
-                entries["key_dd"] = e.op("Transpose", e.op("Gather", g, at, axis=3),
-                                         perm=[0, 1, 3, 2, 4])
+                entries["key_dd"] = e.cast(e.op("Transpose", e.op("Gather", g, at, axis=3),
+                                                 perm=[0, 1, 3, 2, 4]), self.dyn_type, self.ft)
         return out if packed is None else (out, entries)
 
     # -- compose -----------------------------------------------------------
@@ -479,7 +485,8 @@ class _Body:
             "S" if static is not None else "")
         terms = ([q["w1"], q["w2"]] if "w1" in q else []) + ([q["dd"]] if "dd" in q else []) + (
             [static] if static is not None else [])
-        return e.op("QueryMatrix" + letters, *[e.cast(t, self.ft, F) for t in terms],
+        types = [self.dyn_type] * (len(terms) - (static is not None)) + [self.ft]   # static: a weight
+        return e.op("QueryMatrix" + letters, *[e.cast(t, ty, F) for t, ty in zip(terms, types)],
                     domain=DOMAIN)
 
     def _key_side_low_rank(self, x, k):
@@ -537,7 +544,8 @@ class _Body:
                     W = self.e.op("Unsqueeze", W, self.e.i64(0))
                 qf[stage] = (W, 2 if q else None)
             if k and self.compose_nodes:   # the key-side weights as they are, for Compose*
-                kf[stage] = ({n: self.e.cast(x, self.ft, TensorProto.FLOAT) for n, x in k.items()}, 1)
+                kf[stage] = ({n: self.e.cast(x, self.dyn_type, TensorProto.FLOAT)
+                              for n, x in k.items()}, 1)
             elif k:
                 kf[stage] = (k, 1) if self.call.decode else (
                     self._merged(k.get("w1"), k.get("w2"), k.get("dd"), None, False, False), 2)
@@ -668,7 +676,8 @@ class _Body:
             # the key-side weights as the cache stacks them (spec.terms.KEY_CACHE), made by
             # ``dynamic`` (a decode step is self-attention: ``check_call``)
             kdyn = spec_terms.unpack_key_weights(
-                {n: write(n, t) for n, t in entries.items()}, ks, unstack=self.unstack)
+                {n: e.cast(write(n, t), ft, self.dyn_type) for n, t in entries.items()}, ks,
+                unstack=self.unstack)
 
         qf, kf = self.factors(qdyn, kdyn)
         rows = (q, qf, q_pos, "attention_mask" if call.attention_mask else None)
