@@ -905,6 +905,8 @@ class _Body:
         fused = None
         if bias is not None and self._fuses_probs(qf, kf):   # compose, softmax, compose
             fused = self._probs_node(a, bias, qf, kf, offsets)
+        elif offsets is not None:   # uncut factors reach only a Probs node (``_block``)
+            raise AssertionError("a block with uncut factors must become a Probs node")
         if fused is not None:
             p = fused
         elif cfg.pre_compose and not call.intermediates:   # the mask bias in compose's last pass
