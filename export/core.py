@@ -17,7 +17,11 @@ compose kernel when ``dcmha.export.ort_ops`` is registered; ``compose_nodes=Fals
 writes the composes as plain ops: one batched MatMul per side with its factors made
 once per call); masks as an added bias and a 0/1 multiplier. A causal or windowed call without (B, N, T, S) outputs runs its
 queries in chunks (an ONNX Loop, SPEC.md "Query chunking"), each on the keys it
-can see; a decode step reads only the cache positions written so far.
+can see; a decode step reads only the cache positions written so far. With kernel nodes
+(``compose_nodes=True``) the other hot spots are local functions of the same kind too
+(``KERNEL_OPS``): a block's compose, biased softmax and compose (``Probs*``), a stage's
+per-query matrix (``QueryMatrix*``), RoPE (``Rope*``, ``RopeHeads*``) and a decode step's
+cache reads (``CacheHeads*``).
 
 Function signatures (the function's canonical weights come last, in the order
 of ``reference.param_shapes``):
