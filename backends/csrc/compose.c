@@ -455,15 +455,7 @@ static void cached_args_rows(Args *a, int64_t B, int64_t G, int64_t M, int64_t T
 void dcmha_cached_args(Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int64_t S,
                        int64_t R, const float *x, float *out, const float *wq, int64_t wq_b,
                        int64_t wq_t, const float *kw1, const float *kw2, const float *kdd,
-                       float *scratch) {
-    cached_args_rows(a, B, G, M, T, S, R, x, out, wq, wq_b, wq_t, kw1, kw2, kdd, 0, 0, S,
-                     scratch);
-}
-
-void dcmha_cached_args_part(Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int64_t S,
-                            int64_t R, const float *x, float *out, const float *wq,
-                            int64_t wq_b, int64_t wq_t, const float *kw1, const float *kw2,
-                            const float *kdd, int64_t k_rows, float *scratch) {
+                       int64_t k_rows, float *scratch) {
     cached_args_rows(a, B, G, M, T, S, R, x, out, wq, wq_b, wq_t, kw1, kw2, kdd, 0, 0, k_rows,
                      scratch);
 }

@@ -69,7 +69,10 @@ DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_fill_args(Args *a, const int64_t *d, int
    NULL term is absent (no wq: the residual x is the base term).
 
    dcmha_cached_args fills a for that call and copies the key-side terms keys-last into
-   scratch, which holds dcmha_cached_scratch(...) floats.
+   scratch, which holds dcmha_cached_scratch(...) floats. The call may be a part of larger
+   terms: wq then points at the part's first row (wq_t the terms' full row count, or 1:
+   broadcast) and kw1, kw2, kdd at its first key position, each batch's key terms k_rows
+   positions long (S of them used; k_rows = S for terms of exactly the call's keys).
 
    dcmha_compose_cached does the whole forward from the spec's terms (its scratch
    allocated; 0 on success, 1 when out of memory): the query side as qw1, qw2 (B, T, G, Rq,
@@ -79,13 +82,6 @@ DCMHA_C_LINKAGE DCMHA_EXPORT int64_t dcmha_cached_scratch(int64_t B, int64_t G, 
                                                           int64_t S, int64_t R, int has_kw,
                                                           int has_kdd);
 DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_cached_args(
-    Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int64_t S, int64_t R,
-    const float *x, float *out, const float *wq, int64_t wq_b, int64_t wq_t,
-    const float *kw1, const float *kw2, const float *kdd, float *scratch);
-/* dcmha_cached_args for a part of larger terms: wq (wq_b, G, wq_t, M, M) at the part's first
-   row (wq_t the full row count, or 1: broadcast) and kw1, kw2, kdd at the part's first key
-   position, each batch's key terms k_rows positions long (S of them used). */
-DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_cached_args_part(
     Args *a, int64_t B, int64_t G, int64_t M, int64_t T, int64_t S, int64_t R,
     const float *x, float *out, const float *wq, int64_t wq_b, int64_t wq_t,
     const float *kw1, const float *kw2, const float *kdd, int64_t k_rows, float *scratch);

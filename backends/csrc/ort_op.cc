@@ -187,6 +187,9 @@ OrtStatus *read_input(OrtKernelContext *ctx, size_t i, const char *what, size_t 
     return nullptr;
 }
 
+/* An int64 scalar input's value (read_input checked its type and rank). */
+int64_t scalar(const Tensor &t) { return *reinterpret_cast<const int64_t *>(t.data); }
+
 /* The op's output `index` with these dims: its data in data, or an error status. */
 OrtStatus *output(OrtKernelContext *ctx, const int64_t *dims, size_t rank, void *&data,
                   size_t index = 0) {
@@ -274,18 +277,18 @@ void stage_args(Args &a, const Stage &t, const Tensor &x, float *out,
     if (scratch.size() < (size_t)n) scratch.resize((size_t)n);
     const int64_t wq_t = t.wq.dims[2];
     auto at = [](const float *p, int64_t offset) { return p ? p + offset : p; };
-    dcmha_cached_args_part(&a, B, t.G, M, T, S, t.R, x.data, out,
-                           at(t.wq.data, wq_t == 1 ? 0 : t0 * M * M), t.wq.dims[0], wq_t,
-                           at(t.kw1.data, s0 * t.G * t.R * M), at(t.kw2.data, s0 * t.G * t.R * M),
-                           at(t.kdd.data, s0 * t.G * M), t.S_all,
-                           scratch.data());     /* an absent term's data is NULL */
+    dcmha_cached_args(&a, B, t.G, M, T, S, t.R, x.data, out,
+                      at(t.wq.data, wq_t == 1 ? 0 : t0 * M * M), t.wq.dims[0], wq_t,
+                      at(t.kw1.data, s0 * t.G * t.R * M), at(t.kw2.data, s0 * t.G * t.R * M),
+                      at(t.kdd.data, s0 * t.G * M), t.S_all,
+                      scratch.data());     /* an absent term's data is NULL */
 }
 
-/* Runs part(job, p) for p < parts (at most 8, one per query row when T < 8) over the
-   intra-op threads where onnxruntime has KernelContext_ParallelFor, else in turn. */
-OrtStatus *in_parts(OrtKernelContext *ctx, int64_t T, void (*part)(void *, size_t), void *job,
-                    int64_t &parts) {
-    parts = T < 8 ? T : 8;
+/* Runs part(job, p) for p < parts = want over the intra-op threads where onnxruntime has
+   KernelContext_ParallelFor; else parts = 1 and part(job, 0) does the whole. */
+OrtStatus *in_parts(OrtKernelContext *ctx, int64_t want, void (*part)(void *, size_t),
+                    void *job, int64_t &parts) {
+    parts = want;
     if (parts > 1 && g_parallel)
         return api<OrtStatus *(*)(OrtKernelContext *, void (*)(void *, size_t), size_t, size_t,
                                   void *)>(kKernelContextParallelFor)(ctx, part, (size_t)parts,
@@ -328,7 +331,7 @@ OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
         if (part.wq) part.wq += t0 * j.a.wq_i;
         if (part.t > 0 && dcmha_compose_forward(&part)) j.failed = 1;
     };
-    if ((st = in_parts(ctx, a.t, run, &job, job.parts))) return st;
+    if ((st = in_parts(ctx, std::min<int64_t>(a.t, 8), run, &job, job.parts))) return st;
     if (job.failed) return status(kFail, "dcmha Compose: out of memory");
     return nullptr;
 }
@@ -347,8 +350,7 @@ OrtStatus *probs(void *kernel, OrtKernelContext *ctx) {
     if ((st = read_input(ctx, i++, "bias", 4, bias))) return st;
     if ((st = read_input(ctx, i++, "t0", 0, t0, kInt64))) return st;
     if ((st = read_input(ctx, i++, "s0", 0, s0, kInt64))) return st;
-    const int64_t r0 = *reinterpret_cast<const int64_t *>(t0.data),
-                  k0 = *reinterpret_cast<const int64_t *>(s0.data);
+    const int64_t r0 = scalar(t0), k0 = scalar(s0);
     if (r0 < 0 || k0 < 0) {
         char msg[120];
         std::snprintf(msg, sizeof msg, "dcmha Probs: need t0 >= 0 and s0 >= 0; received t0=%lld, "
@@ -391,7 +393,7 @@ OrtStatus *probs(void *kernel, OrtKernelContext *ctx) {
                              j.T * (int64_t)p / j.parts, j.T * ((int64_t)p + 1) / j.parts))
             j.failed = 1;
     };
-    if ((st = in_parts(ctx, T, run, &job, job.parts))) return st;
+    if ((st = in_parts(ctx, std::min<int64_t>(T, 8), run, &job, job.parts))) return st;
     if (job.failed) return status(kFail, "dcmha Probs: out of memory");
     return nullptr;
 }
@@ -410,8 +412,7 @@ OrtStatus *cache_heads(void *kernel, OrtKernelContext *ctx) {
     if ((st = read_input(ctx, 1, "start", 0, start, kInt64))) return st;
     if ((st = read_input(ctx, 2, "stop", 0, stop, kInt64))) return st;
     const int64_t B = cache.dims[0], S = cache.dims[1], H = cache.dims[2], d = cache.dims[3];
-    const int64_t s0 = *reinterpret_cast<const int64_t *>(start.data);
-    const int64_t s1 = *reinterpret_cast<const int64_t *>(stop.data);
+    const int64_t s0 = scalar(start), s1 = scalar(stop);
     if (s0 < 0 || s1 <= s0 || s1 > S) {
         char msg[160];
         std::snprintf(msg, sizeof msg, "dcmha CacheHeads: need 0 <= start < stop <= %lld "
@@ -596,14 +597,9 @@ OrtStatus *rope(void *kernel, OrtKernelContext *ctx) {
                         j.L, j.H, j.d, j.x, j.x_row, j.out0, j.out1, j.H0, j.heads_first, j.c,
                         j.s, j.f16);
     };
-    const int64_t work = B * L * H * d;
-    job.parts = g_parallel && work >= 65536 ? std::min<int64_t>(B * L, 8) : 1;
-    if (job.parts > 1)
-        return api<OrtStatus *(*)(OrtKernelContext *, void (*)(void *, size_t), size_t, size_t,
-                                  void *)>(kKernelContextParallelFor)(ctx, run, (size_t)job.parts,
-                                                                      0, &job);
-    run(&job, 0);
-    return nullptr;
+    /* rows in parts over the intra-op threads where the call is large enough */
+    return in_parts(ctx, B * L * H * d >= 65536 ? std::min<int64_t>(B * L, 8) : 1, run, &job,
+                    job.parts);
 }
 
 int rope_input_type(const OrtCustomOp *o, size_t i) {
@@ -646,65 +642,45 @@ int last_version(const OrtCustomOp *) { return 2147483647; }
 size_t no_pairs(int **a, int **b) { *a = nullptr; *b = nullptr; return 0; }
 void release_pairs(int *, int *) {}
 
-constexpr OrtCustomOp base_op() {
-    return OrtCustomOp{kOpVersion, create, name_of, cpu, float_type, input_count, float_type,
-                       one, compute_v1<compute>, destroy, required, required, default_memory,
-                       arity, arity, arity, arity, create_v2, compute, nullptr, first_version,
-                       last_version, no_pairs, release_pairs, no_pairs, release_pairs};
-}
-
-constexpr OrtCustomOp cache_heads_op() {
-    return OrtCustomOp{kOpVersion, create, name_of, cpu, cache_heads_input_type, input_count,
-                       cache_heads_output_type, one, compute_v1<cache_heads>, destroy, required,
-                       required, default_memory, arity, arity, arity, arity, create_v2,
-                       cache_heads, nullptr, first_version, last_version, no_pairs,
-                       release_pairs, no_pairs, release_pairs};
-}
-
-constexpr OrtCustomOp query_matrix_op() {
-    return OrtCustomOp{kOpVersion, create, name_of, cpu, float_type, input_count, float_type,
-                       one, compute_v1<query_matrix>, destroy, required, required,
-                       default_memory, arity, arity, arity, arity, create_v2, query_matrix,
-                       nullptr, first_version, last_version, no_pairs, release_pairs, no_pairs,
-                       release_pairs};
-}
-
-constexpr OrtCustomOp rope_op() {
-    return OrtCustomOp{kOpVersion, create, name_of, cpu, rope_input_type, input_count,
-                       rope_output_type, rope_outputs, compute_v1<rope>, destroy, required,
-                       required, default_memory, arity, arity, arity, arity, create_v2, rope,
-                       nullptr, first_version, last_version, no_pairs, release_pairs, no_pairs,
-                       release_pairs};
-}
-
 int probs_input_type(const OrtCustomOp *, size_t i) { return i == 2 || i == 3 ? kInt64 : kFloat; }
 
-constexpr OrtCustomOp probs_op() {
-    return OrtCustomOp{kOpVersion, create, name_of, cpu, probs_input_type, input_count, float_type,
-                       one, compute_v1<probs>, destroy, required, required, default_memory,
-                       arity, arity, arity, arity, create_v2, probs, nullptr, first_version,
+/* An op's OrtCustomOp: compute function F, its input and output types and output count. */
+template <OrtStatus *(*F)(void *, OrtKernelContext *)>
+constexpr OrtCustomOp custom_op(int (*input_type)(const OrtCustomOp *, size_t) = float_type,
+                                int (*output_type)(const OrtCustomOp *, size_t) = float_type,
+                                size_t (*outputs)(const OrtCustomOp *) = one) {
+    return OrtCustomOp{kOpVersion, create, name_of, cpu, input_type, input_count, output_type,
+                       outputs, compute_v1<F>, destroy, required, required, default_memory,
+                       arity, arity, arity, arity, create_v2, F, nullptr, first_version,
                        last_version, no_pairs, release_pairs, no_pairs, release_pairs};
 }
+
+constexpr OrtCustomOp kComposeOp = custom_op<compute>(),
+                      kCacheHeadsOp = custom_op<cache_heads>(cache_heads_input_type,
+                                                             cache_heads_output_type),
+                      kQueryMatrixOp = custom_op<query_matrix>(),
+                      kRopeOp = custom_op<rope>(rope_input_type, rope_output_type, rope_outputs),
+                      kProbsOp = custom_op<probs>(probs_input_type);
 
 constexpr int64_t Q = DCMHA_HAS_WQ, K = DCMHA_HAS_KW, D = DCMHA_HAS_KDD;
 Op g_ops[] = {
-    {base_op(), "ComposeQ", Q, 2},           {base_op(), "ComposeK", K, 3},
-    {base_op(), "ComposeD", D, 2},           {base_op(), "ComposeQK", Q | K, 4},
-    {base_op(), "ComposeQD", Q | D, 3},      {base_op(), "ComposeKD", K | D, 4},
-    {base_op(), "ComposeQKD", Q | K | D, 5},
-    {cache_heads_op(), "CacheHeads", kFloat, 3},
-    {cache_heads_op(), "CacheHeads16", kFloat16, 3},
-    {cache_heads_op(), "CacheHeads16F", kFloat16 | kToFloat, 3},
-    {query_matrix_op(), "QueryMatrixW", kW, 2},
-    {query_matrix_op(), "QueryMatrixD", kD, 1},
-    {query_matrix_op(), "QueryMatrixWD", kW | kD, 3},
-    {query_matrix_op(), "QueryMatrixWS", kW | kS, 3},
-    {query_matrix_op(), "QueryMatrixDS", kD | kS, 2},
-    {query_matrix_op(), "QueryMatrixWDS", kW | kD | kS, 4},
-    {rope_op(), "Rope", kFloat, 3},
-    {rope_op(), "Rope16", kFloat16, 3},
-    {rope_op(), "RopeHeads", kFloat | kHeads, 4},
-    {rope_op(), "RopeHeads16", kFloat16 | kHeads, 4},
+    {kComposeOp, "ComposeQ", Q, 2},           {kComposeOp, "ComposeK", K, 3},
+    {kComposeOp, "ComposeD", D, 2},           {kComposeOp, "ComposeQK", Q | K, 4},
+    {kComposeOp, "ComposeQD", Q | D, 3},      {kComposeOp, "ComposeKD", K | D, 4},
+    {kComposeOp, "ComposeQKD", Q | K | D, 5},
+    {kCacheHeadsOp, "CacheHeads", kFloat, 3},
+    {kCacheHeadsOp, "CacheHeads16", kFloat16, 3},
+    {kCacheHeadsOp, "CacheHeads16F", kFloat16 | kToFloat, 3},
+    {kQueryMatrixOp, "QueryMatrixW", kW, 2},
+    {kQueryMatrixOp, "QueryMatrixD", kD, 1},
+    {kQueryMatrixOp, "QueryMatrixWD", kW | kD, 3},
+    {kQueryMatrixOp, "QueryMatrixWS", kW | kS, 3},
+    {kQueryMatrixOp, "QueryMatrixDS", kD | kS, 2},
+    {kQueryMatrixOp, "QueryMatrixWDS", kW | kD | kS, 4},
+    {kRopeOp, "Rope", kFloat, 3},
+    {kRopeOp, "Rope16", kFloat16, 3},
+    {kRopeOp, "RopeHeads", kFloat | kHeads, 4},
+    {kRopeOp, "RopeHeads16", kFloat16 | kHeads, 4},
 };
 
 /* Every op: g_ops, then Probs<pre>_<post> for each pair of stages (a stage: the letters of
@@ -728,7 +704,7 @@ const std::vector<Op> &all_ops() {
                 flags |= c < cut ? bit : bit << 3;
                 inputs += name[c] == 'K' ? 2 : bit ? 1 : 0;
             }
-            all.push_back(Op{probs_op(), name.c_str(), flags, (size_t)inputs});
+            all.push_back(Op{kProbsOp, name.c_str(), flags, (size_t)inputs});
         }
         return all;
     }();
