@@ -264,9 +264,12 @@ class _Body:
         self.D_q, self.D_kv, self.D_out = widths
         self.e = Emitter()
         self.w = {n: n for n in weights}
-        # q (B, N, T, d) and k (B, N_kv, S, d) heads first (``fused_projections``), instead
-        # of (B, T, N, d) and (B, S, N_kv, d)
-        self.heads_first = False
+        self.dtype = dtype
+        # q (B, N, T, d) and k (B, N_kv, S, d) heads first, instead of (B, T, N, d) and
+        # (B, S, N_kv, d): a forward self-attention call's RoPE straight from the fused
+        # projection's output (``fused_projections``, ``_rope_heads``)
+        self.heads_first = bool(compose_nodes and call.self_attention and not call.decode
+                                and not cfg.qk_norm and cfg.rope_max_wavelength is not None)
         # the dynamic weights' type (``dynamic``): float32 where only kernel nodes, which
         # take float32, read them (one Cast per kind, not one per slot), else the dtype
         self.dyn_type = TensorProto.FLOAT if compose_nodes and not call.intermediates else self.ft
@@ -300,24 +303,24 @@ class _Body:
         """Rotate-half RoPE of x (B, L, H, d) at int64 positions (L,); angles in float64.
         With kernel nodes (``compose_nodes``) one ``dcmha.Rope`` / ``Rope16`` node
         (``rope_function``), else its plain ops."""
-        cfg = self.cfg
-        inv_freq = cfg.rope_max_wavelength ** (-np.arange(cfg.d // 2, dtype=np.float64) * 2.0 / cfg.d)
-        inv = self.e.const(inv_freq, TensorProto.DOUBLE)
+        cfg, inv = self.cfg, self._inv_freq()
         if self.compose_nodes:
-            name = ROPE_OPS["float16" if self.ft == TensorProto.FLOAT16 else "float32"]
-            return self.e.op(name, x, positions, inv, domain=DOMAIN)
+            return self.e.op(ROPE_OPS[self.dtype], x, positions, inv, domain=DOMAIN)
         return _rope_ops(self.e, x, positions, inv, self.e.i64(cfg.d // 2), self.e.i64(cfg.d),
                          self.ft)
+
+    def _inv_freq(self):
+        """RoPE's inverse frequencies (d/2,), a float64 constant."""
+        cfg = self.cfg
+        return self.e.const(cfg.rope_max_wavelength ** (-np.arange(cfg.d // 2, dtype=np.float64)
+                                                        * 2.0 / cfg.d), TensorProto.DOUBLE)
 
     def _rope_heads(self, y, positions):
         """(q (B, N, L, d), k (B, N_kv, L, d)): the query and key heads of a projection's
         output y (B, L, W) (its first (N + N_kv) d columns) after RoPE, heads first, as one
         ``dcmha.RopeHeads`` / ``RopeHeads16`` node (``rope_heads_function``)."""
         cfg, e = self.cfg, self.e
-        inv_freq = cfg.rope_max_wavelength ** (-np.arange(cfg.d // 2, dtype=np.float64) * 2.0 / cfg.d)
-        name = ROPE_HEADS_OPS["float16" if self.ft == TensorProto.FLOAT16 else "float32"]
-        self.heads_first = True
-        return e.op(name, y, positions, e.const(inv_freq, TensorProto.DOUBLE),
+        return e.op(ROPE_HEADS_OPS[self.dtype], y, positions, self._inv_freq(),
                     e.i64(cfg.N, cfg.N_kv), domain=DOMAIN, outputs=2)
 
     # -- projections -------------------------------------------------------
@@ -356,10 +359,9 @@ class _Body:
         y = e.op("MatMul", x, e.op("Concat", *kernels, axis=1))
         if biases:
             y = e.op("Add", y, e.op("Concat", *biases, axis=0))
-        # a forward call's RoPE straight from y, heads first (``_rope_heads``): the other
-        # parts sliced out of y, the q | k part left in place
-        heads = (self.compose_nodes and not self.call.decode and not cfg.qk_norm
-                 and cfg.rope_max_wavelength is not None)
+        # with ``heads_first``, RoPE reads q | k straight from y (``_rope_heads``): the other
+        # parts are sliced out of y, the q | k part is left in place
+        heads = self.heads_first
         if heads:
             ends = np.cumsum(sizes)
             outs = {n: e.op("Slice", y, e.i64(int(end - size)), e.i64(int(end)), e.i64(-1))
@@ -595,15 +597,19 @@ class _Body:
         out = self.e.op("Compose" + letters, x, *inputs, domain=DOMAIN) if letters else x
         return out if plus is None else self.e.op("Add", out, plus)
 
-    def _fuses_probs(self, qf, kf) -> bool:
-        """Whether a masked block's probabilities are one ``Probs`` node (``_probs_node``):
-        with kernel nodes, a stage with a term, and no (B, N, T, S) output or 0/1
-        multiplier (no row can be fully masked)."""
+    def _keeps_mask(self) -> bool:
+        """Whether a masked call multiplies its probabilities by the 0/1 mask (``attend``):
+        where a row can have no visible key (with an attention_mask, or a window over a
+        separate key input), and for (B, N, T, S) outputs."""
         cfg, call = self.cfg, self.call
         empty_rows = call.attention_mask or (cfg.sliding_window is not None
                                              and not (call.self_attention or call.decode))
-        return bool(self.compose_nodes and (qf or kf) and not (
-            empty_rows or call.return_attention_scores or call.intermediates))
+        return bool(empty_rows or call.return_attention_scores or call.intermediates)
+
+    def _fuses_probs(self, qf, kf) -> bool:
+        """Whether a masked block's probabilities are one ``Probs`` node (``_probs_node``):
+        with kernel nodes, a stage with a term, and no 0/1 multiplier (``_keeps_mask``)."""
+        return bool(self.compose_nodes and (qf or kf) and not self._keeps_mask())
 
     def _probs_node(self, x, bias, qf, kf, offsets=None):
         """The probabilities Compose_post(softmax(Compose_pre(x) + bias)) of scores x
@@ -900,9 +906,7 @@ class _Body:
         if mask is not None:   # (B|1, T, S) -> (B|1, 1, T, 1, S) or (B|1, 1, T, S)
             mask = e.op("Unsqueeze", mask, e.i64(1, 3) if composing else e.i64(1))
             bias = e.op("Mul", e.op("Cast", e.op("Not", mask), to=F), self.c(MASKED_SCORE, F))
-            empty_rows = call.attention_mask or (cfg.sliding_window is not None
-                                                 and not (call.self_attention or call.decode))
-            if empty_rows or call.return_attention_scores or call.intermediates:
+            if self._keeps_mask():
                 keep = e.op("Cast", mask, to=F)
         if composing:
             a = to_gtms(a)

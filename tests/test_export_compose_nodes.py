@@ -408,13 +408,13 @@ def test_library_is_cached_and_checked():
 # CacheHeads: a decode step's cache range, heads first
 # ---------------------------------------------------------------------------
 
-def _one_op_model(name, ft, inputs, rank=4):
+def _one_op_model(name, ft, inputs, rank=4, outputs=("out",)):
     """A graph of one ``dcmha`` kernel op (with its function): inputs [(name, type, shape)]
-    -> out (of this rank, type ft)."""
+    -> outputs (each of this rank, type ft)."""
     ins = [helper.make_tensor_value_info(n, t, shape) for n, t, shape in inputs]
-    node = helper.make_node(name, [n for n, _, _ in inputs], ["out"], domain=core.DOMAIN)
-    graph = helper.make_graph([node], name, ins,
-                              [helper.make_tensor_value_info("out", ft, [None] * rank)])
+    node = helper.make_node(name, [n for n, _, _ in inputs], list(outputs), domain=core.DOMAIN)
+    graph = helper.make_graph([node], name, ins, [helper.make_tensor_value_info(o, ft, [None] * rank)
+                                                  for o in outputs])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
                                                     helper.make_opsetid(core.DOMAIN, 1)],
                               functions=[core.kernel_function(name)])
@@ -572,19 +572,10 @@ def test_rope_kernel_agrees_with_its_body_and_the_formula(dtype):
 
 def _rope_heads_model(dtype):
     ft = core.DTYPES[dtype]
-    ins = [helper.make_tensor_value_info("y", ft, [None] * 3),
-           helper.make_tensor_value_info("positions", TensorProto.INT64, [None]),
-           helper.make_tensor_value_info("inv_freq", TensorProto.DOUBLE, [None]),
-           helper.make_tensor_value_info("heads", TensorProto.INT64, [2])]
-    name = core.ROPE_HEADS_OPS[dtype]
-    node = helper.make_node(name, [i.name for i in ins], ["q", "k"], domain=core.DOMAIN)
-    graph = helper.make_graph([node], name, ins, [helper.make_tensor_value_info(n, ft, [None] * 4)
-                                                  for n in ("q", "k")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid(core.DOMAIN, 1)],
-                              functions=[core.kernel_function(name)])
-    model.ir_version = 8
-    return model
+    return _one_op_model(core.ROPE_HEADS_OPS[dtype], ft,
+                         [("y", ft, [None] * 3), ("positions", TensorProto.INT64, [None]),
+                          ("inv_freq", TensorProto.DOUBLE, [None]),
+                          ("heads", TensorProto.INT64, [2])], outputs=("q", "k"))
 
 
 @pytest.mark.parametrize("kernel", KERNEL)
