@@ -101,8 +101,8 @@ import warnings
 from typing import Optional
 
 __all__ = ["load", "unavailable_reason", "compose_forward", "compose_backward",
-           "decode_probs", "dynamic_weights", "dynamic_sizes", "DYNAMIC_ROWS", "cached_flags",
-           "CACHED_TERMS", "disabled",
+           "decode_probs", "dynamic_weights", "dynamic_finish", "dynamic_sizes", "DYNAMIC_ROWS",
+           "cached_flags", "CACHED_TERMS", "disabled",
            "KernelWarning", "Recipe", "Plan", "compose_recipe", "ffi_recipe", "tf_recipe",
            "ort_recipe", "plan", "build_library", "check_library", "fallback", "cache_dir",
            "CSRC"]
@@ -118,7 +118,7 @@ _CC = ("CC", "C", ("cc", "gcc", "clang"))
 _CXX = ("CXX", "C++", ("c++", "g++", "clang++"))
 _KERNEL_SYMBOLS = ("dcmha_compose_forward", "dcmha_compose_backward", "dcmha_fill_args",
                    "dcmha_cached_scratch", "dcmha_cached_args", "dcmha_compose_cached",
-                   "dcmha_decode_probs", "dcmha_dynamic_weights")
+                   "dcmha_decode_probs", "dcmha_dynamic_weights", "dcmha_dynamic_finish")
 #: The (layout, names) functions of DCMHA_DEFINE_ARGS_LAYOUT: the C kernel's, a C++ wrapper's.
 _C_LAYOUT = ("dcmha_args_layout", "dcmha_args_names")
 _CXX_LAYOUT = ("dcmha_cxx_args_layout", "dcmha_cxx_args_names")
@@ -639,6 +639,10 @@ def load():
                 lib.dcmha_dynamic_weights.argtypes = ([i64] * 6 + [ptr] * 4 + [ctypes.c_int]
                                                       + [ctypes.c_float] + [ptr] * 3)
                 lib.dcmha_dynamic_weights.restype = ctypes.c_int
+                lib.dcmha_dynamic_finish.argtypes = ([i64] * 5 + [ptr] + [i64] * 3 + [ptr]
+                                                     + [ctypes.c_int, ctypes.c_float]
+                                                     + [ptr] * 3)
+                lib.dcmha_dynamic_finish.restype = None
             _STATE["lib"], _STATE["reason"] = lib, reason
         return _STATE["lib"]
 
@@ -804,6 +808,18 @@ def dynamic_weights(lib, x, dw1, qkw, dd, w1, w2, g, *, GC, K, M, rank, gelu_app
     if lib.dcmha_dynamic_weights(BL, D, GC, K, rank, M, x.data_ptr(), ptr(dw1), ptr(qkw),
                                  ptr(dd), int(gelu_approximate), eps, ptr(w1), ptr(w2), ptr(g)):
         raise MemoryError("dcmha C kernel: out of memory for its scratch buffer")
+
+
+def dynamic_finish(lib, pre, h_col, g_col, qkw, w1, w2, g, *, GC, K, M, rank,
+                   gelu_approximate, eps):
+    """``dcmha_dynamic_finish`` of ``csrc/dcmha_args.h``: ``dynamic_weights``' outputs from
+    pre (BL, n), float32 with contiguous rows, whose columns [h_col, h_col + GC K) hold x dw1
+    (gelu is applied there, in place) and [g_col, g_col + GC M) x dd; qkw / w1 / w2 (or g)
+    None where absent, as in ``dynamic_weights``."""
+    ptr = lambda a: None if a is None else a.data_ptr()      # noqa: E731
+    lib.dcmha_dynamic_finish(pre.shape[0], GC, K, rank, M, pre.data_ptr(), pre.stride(0),
+                             h_col, g_col, ptr(qkw), int(gelu_approximate), eps, ptr(w1),
+                             ptr(w2), ptr(g))
 
 
 def compose_backward(lib, x, g, dx, st, dst, G, R):

@@ -1116,6 +1116,21 @@ class DCMHA(keras.layers.Layer):
             return projection(x, slots=slots)
         return projection.call(dops.as_dtype(x, projection.compute_dtype), slots=slots)
 
+    def _fused_query(self, query):
+        """(The query projection (B, L, N, d) float32, before QK-norm and RoPE; every
+        slot's dynamic weights) of a self-attention call from one matrix product
+        (``dops.fused_query_projection``: eager PyTorch on the CPU, a decoding step), or
+        None: then the projection and the dynamic weights are computed apart. Only a plain
+        float32 query projection takes it (no LoRA, not quantised)."""
+        dense, proj = self._query_dense, self.dynamic_projection_layer
+        if (not proj.built or dense.lora_enabled or dense.quantization_mode is not None
+                or dense.compute_dtype != "float32" or dense.activation is not None
+                and dense.activation is not keras.activations.linear):
+            return None
+        return dops.fused_query_projection(
+            query, dense.kernel, dense.bias, proj.dw1, proj.qkw, proj.dd, slots=proj.slots,
+            rank=proj.rank, gelu_approximate=proj.gelu_approximate)
+
     @staticmethod
     def _project(dense, x):
         # The sublayer's own __call__ casts to its compute dtype (also when
@@ -1223,10 +1238,13 @@ class DCMHA(keras.layers.Layer):
             if c.rope_max_wavelength is not None else None
         qscale = getattr(self, "query_norm_scale", None)
         kscale = getattr(self, "key_norm_scale", None)
-        q = self._qk(self._project(self._query_dense, query), qscale, q_pos)
-
         # Dynamic weights: query-side slots read `query`, key-side slots `key`.
         read_only = cache is not None and cache_update_index is None
+        dyn = None
+        if self_attention and not read_only and self._slots and not c.cross_attention:
+            dyn = self._fused_query(query)
+        q, dyn = dyn if dyn is not None else (self._project(self._query_dense, query), None)
+        q = self._qk(q, qscale, q_pos)
         dynamic = self._dynamic_weights
         if c.cross_attention:
             qdyn = (dynamic(self.query_dynamic_projection, query)
@@ -1236,7 +1254,7 @@ class DCMHA(keras.layers.Layer):
         elif not self._slots:
             qdyn, kdyn = {}, {}
         elif self_attention and not read_only:
-            dyn = dynamic(self.dynamic_projection_layer, query)
+            dyn = dyn or dynamic(self.dynamic_projection_layer, query)
             qdyn = {s: dyn[s] for s in self._query_slots}
             kdyn = {s: dyn[s] for s in self._key_slots}
         else:

@@ -236,11 +236,43 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
             stacked = plain_dynamic_weights(x, dw1, qkw, dd, C=C, rank=rank,
                                             gelu_approximate=gelu_approximate)
             split = {n: ops.unstack(a, C, axis=3) for n, a in stacked.items()}
+    return _by_slot(split, slots)
+
+
+def _by_slot(split, slots):
+    """{slot: {name: array}} from {name: [one array per slot, in ``slots``' order]}."""
     out = {s: {} for s in slots}
     for name, arrays in split.items():       # the C axis (3) split: one array per slot
         for s, a_s in zip(slots, arrays):
             out[s][name] = a_s
     return out
+
+
+def fused_query_projection(x, kernel, bias, dw1, qkw, dd, *, slots, rank,
+                           gelu_approximate=True):
+    """A decoding step's query projection and ``dynamic_weights`` from one matrix product
+    of x (B, L, D) with [kernel | dw1 | dd], where the backend has it (eager PyTorch on the
+    CPU, a few rows, float32: ``dcmha.backends.torch_native.decode.fused_projection``),
+    else None.
+
+    kernel (D, N, d), bias (N, d) or None: the query projection (``EinsumDense``'s
+    weights). Returns (x . kernel + bias as (B, L, N, d) float32, ``dynamic_weights``'
+    dict)."""
+    weights = [w.value if isinstance(w, keras.Variable) else w
+               for w in (kernel, bias, dw1, qkw, dd)]
+    torch = _eager_torch(x, *(w for w in weights if w is not None))
+    fast = None if torch is None else _step_dynamic_weights("torch", "fused_projection")
+    if fast is None:
+        return None
+    B, L, D = x.shape
+    out = fast(x.reshape(B * L, D), *weights, C=len(slots), rank=rank,
+               gelu_approximate=gelu_approximate, eps=W1_NORM_EPS)
+    if out is None:
+        return None
+    q, stacked = out
+    return (q.reshape(B, L, *weights[0].shape[1:]),
+            _by_slot({n: a.reshape(B, L, *a.shape[1:]).unbind(3) for n, a in stacked.items()},
+                     slots))
 
 
 def plain_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
@@ -310,9 +342,9 @@ _STEP_DYNAMIC_OWNERS = {"torch": "torch_decode", "tensorflow": "tf_cpu"}
 _STEP_DYNAMIC: dict = {}
 
 
-def _step_dynamic_weights(backend):
-    """``backend``'s kernel for a decoding step's dynamic weights (the module of
-    ``_STEP_DYNAMIC_OWNERS[backend]``, through the registry), or None.
+def _step_dynamic_weights(backend, name="dynamic_weights"):
+    """``backend``'s kernel for a decoding step's dynamic weights (the function ``name`` of
+    the module of ``_STEP_DYNAMIC_OWNERS[backend]``, through the registry), or None.
 
     Its signature: (x, dw1, qkw, dd, *, C, rank, gelu_approximate, eps), None where it
     cannot run (too many rows, no kernel, a gradient it does not record...). torch's
@@ -320,15 +352,15 @@ def _step_dynamic_weights(backend):
     L); tensorflow's takes x (B, L, D) and returns them split into their C slots
     ({name: [C arrays (B, L, G, ...)]}: its op writes each slot's array, so a graph has
     no reshape or unstack op after it)."""
-    if backend not in _STEP_DYNAMIC:
+    if (backend, name) not in _STEP_DYNAMIC:
         from dcmha import registry
         impl = registry.implementations().get(_STEP_DYNAMIC_OWNERS.get(backend, ""))
         try:
             module = impl.load() if impl is not None else None
         except ImportError:
             module = None
-        _STEP_DYNAMIC[backend] = getattr(module, "dynamic_weights", None)
-    return _STEP_DYNAMIC[backend]
+        _STEP_DYNAMIC[backend, name] = getattr(module, name, None)
+    return _STEP_DYNAMIC[backend, name]
 
 
 def _step_kernel_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):

@@ -418,7 +418,7 @@ def test_step_dynamic_weights_in_the_kernel(monkeypatch, parts, approximate):
     grads = {}
     for kernel in (True, False):
         if not kernel:
-            monkeypatch.setattr(dops, "_STEP_DYNAMIC", {BACKEND: None})
+            monkeypatch.setattr(dops, "_STEP_DYNAMIC", {(BACKEND, "dynamic_weights"): None})
         grads[kernel] = _dynamic_grads(x, dw1, qkw, dd, slots, R, approximate, ups)
     assert len(ran) == (1 if BACKEND == "tensorflow" else 0)  # torch records them without it
     for a, b in zip(grads[True], grads[False]):
@@ -447,3 +447,65 @@ def _dynamic_grads(x, dw1, qkw, dd, slots, R, approximate, ups):
         loss = tf.add_n([tf.reduce_sum(got[s][n] * u) for s, us in ups.items()
                          for n, u in us.items()])
     return [g.numpy() for g in tape.gradient(loss, ts)]
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the fused projection is eager PyTorch's")
+@pytest.mark.parametrize("name", ["dcmha", "query_wise_only_gating", "key_wise_only_rank1"])
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_torch_fused_query_projection(reference_case, monkeypatch, name, use_bias):
+    """Eager torch without gradients: from the second one-token step with unchanged
+    weights, the query projection and the dynamic weights come from one matrix product
+    with [kernel | dw1 | dd] (``torch_native.decode.fused_projection``), at the spec's
+    numbers. Weights assigned between steps are read again (the first step after does
+    not use the old concatenation); ``FUSED_PROJECTION = False`` turns it off."""
+    import torch
+
+    from dcmha.backends import cpu_kernel
+    from dcmha.backends.torch_native import decode
+    if cpu_kernel.load() is None:
+        pytest.skip(f"no compiled kernel: {cpu_kernel.unavailable_reason()}")
+    ran = []
+    inner = cpu_kernel.dynamic_finish
+    monkeypatch.setattr(cpu_kernel, "dynamic_finish",
+                        lambda *a, **k: ran.append(1) or inner(*a, **k))
+    monkeypatch.setattr(decode, "FUSED_PROJECTION", True)
+    kwargs = dict(CONFIGS[name], rope_max_wavelength=100.0, use_bias=use_bias)
+    case = reference_case(kwargs, T=5)
+    cfg, x, params = case["cfg"], case["query"], case["params"]
+    if use_bias:                           # the spec's initial biases are zeros
+        rng = np.random.default_rng(5)
+        params = {n: rng.normal(size=p.shape).astype(np.float32) if n.endswith("_bias") else p
+                  for n, p in params.items()}
+    layer = DCMHA(**kwargs)
+    layer.load_spec_weights(params)
+    cache, ref_cache = layer.init_cache(2, 8), reference.init_cache(cfg, 2, 8)
+    y, cache = layer(x[:, :3], x[:, :3], use_causal_mask=True, cache=cache,
+                     cache_update_index=0)
+    _, ref_cache = reference.decode_step(params, cfg, x[:, :3], ref_cache, 0)
+    step = x[:, 3:4]
+    y_ref, _ = reference.decode_step(params, cfg, step, ref_cache, 3)
+    step = ops.convert_to_tensor(step)      # one tensor as query and value: self-attention
+
+    def run():
+        with torch.no_grad():
+            return layer(step, step, use_causal_mask=True, cache=cache, cache_update_index=3)[0]
+
+    assert_close(run(), y_ref)
+    assert ran == []                                   # the first step: weights seen once
+    for n in (1, 2):
+        assert_close(run(), y_ref)
+        assert len(ran) == n
+    # New weights: the next step reads them (not the old concatenation), then fuses again.
+    dynamic = "dw1" if "dw1" in params else "dd"
+    params2 = dict(params, query_kernel=params["query_kernel"] * 1.5,
+                   **{dynamic: params[dynamic] * 0.5})
+    layer.load_spec_weights(params2)
+    y_ref2, _ = reference.decode_step(params2, cfg, x[:, 3:4], ref_cache, 3)
+    # the cache's earlier entries came from the old weights in both
+    assert np.max(np.abs(y_ref2 - y_ref)) > 1e-3
+    for n in (2, 3):
+        assert_close(run(), y_ref2)
+        assert len(ran) == n
+    monkeypatch.setattr(decode, "FUSED_PROJECTION", False)
+    assert_close(run(), y_ref2)
+    assert len(ran) == 3

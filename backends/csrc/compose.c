@@ -667,18 +667,14 @@ static void row_times(const float *x, const float *w, int64_t D, int64_t n, floa
     }
 }
 
-int dcmha_dynamic_weights(int64_t BL, int64_t D, int64_t GC, int64_t K, int64_t R, int64_t M,
-                          const float *x, const float *dw1, const float *qkw, const float *dd,
-                          int gelu_approximate, float eps, float *w1, float *w2,
-                          float *ddo) {
+void dcmha_dynamic_finish(int64_t BL, int64_t GC, int64_t K, int64_t R, int64_t M,
+                          float *pre, int64_t ld, int64_t h_col, int64_t g_col,
+                          const float *qkw, int gelu_approximate, float eps, float *w1,
+                          float *w2, float *ddo) {
     const int64_t RM = R * M;
-    float *h = dw1 ? (float *)malloc(sizeof(float) * (size_t)(GC * K)) : 0;
-    if (dw1 && !h) return 1;
     for (int64_t i = 0; i < BL; i++) {
-        const float *xi = x + i * D;
-        if (dw1) {
-            memset(h, 0, sizeof(float) * (size_t)(GC * K));
-            row_times(xi, dw1, D, GC * K, h);
+        if (qkw) {
+            float *h = pre + i * ld + h_col;
             for (int64_t j = 0; j < GC * K; j++) {
                 const float v = h[j];
                 h[j] = gelu_approximate
@@ -703,14 +699,32 @@ int dcmha_dynamic_weights(int64_t BL, int64_t D, int64_t GC, int64_t K, int64_t 
                 }
             }
         }
-        if (dd) {
-            float *g = ddo + i * GC * M;
-            memset(g, 0, sizeof(float) * (size_t)(GC * M));
-            row_times(xi, dd, D, GC * M, g);
-            for (int64_t j = 0; j < GC * M; j++) g[j] = tanhf(g[j]);
+        if (ddo) {
+            const float *g = pre + i * ld + g_col;
+            float *o = ddo + i * GC * M;
+            for (int64_t j = 0; j < GC * M; j++) o[j] = tanhf(g[j]);
         }
     }
-    free(h);
+}
+
+int dcmha_dynamic_weights(int64_t BL, int64_t D, int64_t GC, int64_t K, int64_t R, int64_t M,
+                          const float *x, const float *dw1, const float *qkw, const float *dd,
+                          int gelu_approximate, float eps, float *w1, float *w2,
+                          float *ddo) {
+    /* one row's pre-activations: x dw1 (GC K values), then x dd (GC M) */
+    const int64_t nh = dw1 ? GC * K : 0, ld = nh + (dd ? GC * M : 0);
+    float *pre = (float *)malloc(sizeof(float) * (size_t)(ld ? ld : 1));
+    if (!pre) return 1;
+    for (int64_t i = 0; i < BL; i++) {
+        const float *xi = x + i * D;
+        memset(pre, 0, sizeof(float) * (size_t)ld);
+        if (dw1) row_times(xi, dw1, D, nh, pre);
+        if (dd) row_times(xi, dd, D, GC * M, pre + nh);
+        dcmha_dynamic_finish(1, GC, K, R, M, pre, ld, 0, nh, dw1 ? qkw : 0, gelu_approximate,
+                             eps, dw1 ? w1 + i * GC * R * M : 0, dw1 ? w2 + i * GC * R * M : 0,
+                             dd ? ddo + i * GC * M : 0);
+    }
+    free(pre);
     return 0;
 }
 

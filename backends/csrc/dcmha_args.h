@@ -142,6 +142,16 @@ DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_dynamic_weights(
     const float *dw1, const float *qkw, const float *dd, int gelu_approximate, float eps,
     float *w1, float *w2, float *ddo);
 
+/* dcmha_dynamic_weights' outputs from BL rows of pre-activations already computed (a
+   caller that folds x dw1 and x dd into a wider product): row i's x dw1 (GC K values) at
+   pre + i ld + h_col when qkw is given (gelu is applied there, in place), and its x dd (GC M
+   values) at pre + i ld + g_col when ddo is given. Writes w1, w2 (with qkw) and ddo (when
+   given) as dcmha_dynamic_weights does. */
+DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_dynamic_finish(
+    int64_t BL, int64_t GC, int64_t K, int64_t R, int64_t M, float *pre, int64_t ld,
+    int64_t h_col, int64_t g_col, const float *qkw, int gelu_approximate, float eps,
+    float *w1, float *w2, float *ddo);
+
 /* The rotate-half RoPE of rows [r0, r1) of x (B L rows, row r = (b, l) at x + r x_row,
    holding H heads of d values; float32, or float16 when f16): with h = d / 2 and row r's
    cos / sin rows c, s + (r % L) h, out[j] = x[j] c[j] - x[j + h] s[j],

@@ -21,6 +21,8 @@ it goes to the plain core, ``dcmha.ops.attention``, so a forced
 from __future__ import annotations
 
 import math
+import os
+import weakref
 
 from dcmha.spec import terms as spec_terms
 
@@ -144,14 +146,98 @@ def dynamic_weights(x2, dw1, qkw, dd, *, C, rank, gelu_approximate, eps):
     BL, D = x2.shape
     f32 = lambda w: None if w is None else w.to(torch.float32).contiguous()   # noqa: E731
     G, K, M = cpu_kernel.dynamic_sizes(dw1, qkw, dd, C)
-    out = {}
-    w1 = w2 = g = None
-    if dw1 is not None:
-        w1 = out["w1"] = torch.empty((BL, G, C, rank, M), dtype=torch.float32)
-        w2 = out["w2"] = torch.empty((BL, G, C, rank, M), dtype=torch.float32)
-    if dd is not None:
-        g = out["dd"] = torch.empty((BL, G, C, M), dtype=torch.float32)
-    cpu_kernel.dynamic_weights(lib, f32(x2), f32(dw1), f32(qkw), f32(dd), w1, w2, g,
-                               GC=G * C, K=K, M=M, rank=rank,
+    out = _outputs(BL, G, C, rank, M, dw1 is not None, dd is not None)
+    cpu_kernel.dynamic_weights(lib, f32(x2), f32(dw1), f32(qkw), f32(dd), out.get("w1"),
+                               out.get("w2"), out.get("dd"), GC=G * C, K=K, M=M, rank=rank,
                                gelu_approximate=gelu_approximate, eps=eps)
     return out
+
+
+def _outputs(BL, G, C, rank, M, projection, gating):
+    """The empty float32 outputs of ``dynamic_weights``: "w1", "w2" (BL, G, C, R, M) with a
+    projection, "dd" (BL, G, C, M) with gating."""
+    import torch
+    out = {}
+    if projection:
+        out["w1"] = torch.empty((BL, G, C, rank, M), dtype=torch.float32)
+        out["w2"] = torch.empty((BL, G, C, rank, M), dtype=torch.float32)
+    if gating:
+        out["dd"] = torch.empty((BL, G, C, M), dtype=torch.float32)
+    return out
+
+
+#: Whether ``fused_projection`` runs (``DCMHA_FUSED_PROJECTION=0`` turns it off; it keeps a
+#: copy of each layer's query kernel, see there).
+FUSED_PROJECTION = os.environ.get("DCMHA_FUSED_PROJECTION", "1") != "0"
+#: id(query kernel) -> (its parts' (weak reference, version) pairs, their concatenation or
+#: None); an entry goes when its kernel does (a tensor's == is elementwise, so not a
+#: WeakKeyDictionary).
+_CONCATENATED: dict = {}
+
+
+def _concatenated(kernel, bias, dw1, dd):
+    """The (D, n) matrix [kernel | dw1 | dd] (kernel (D, ...) and the dynamic-weight arrays
+    flattened after D) and its (n,) bias (the query bias, then zeros), or None.
+
+    Kept per query kernel while every part is the same tensor at the same version (an
+    in-place update, such as ``Variable.assign``'s ``copy_``, bumps it). It is built on the
+    second call that sees a set of parts unchanged, so weights that change every call
+    (a training loop's evaluation steps, a stateless call's values) are never copied."""
+    parts = [w for w in (kernel, bias, dw1, dd) if w is not None]
+    entry = _CONCATENATED.get(id(kernel))
+    same = entry is not None and len(entry[0]) == len(parts) and all(
+        r() is w and v == w._version for (r, v), w in zip(entry[0], parts))
+    if not same:
+        refs = [weakref.ref(w) for w in parts]
+        refs[0] = weakref.ref(kernel, lambda _, i=id(kernel): _CONCATENATED.pop(i, None))
+        _CONCATENATED[id(kernel)] = (tuple((r, w._version) for r, w in zip(refs, parts)), None)
+        return None
+    if entry[1] is None:
+        import torch
+        D = kernel.shape[0]
+        mats = [w.reshape(D, -1) for w in (kernel, dw1, dd) if w is not None]
+        n = sum(m.shape[1] for m in mats)
+        b = None
+        if bias is not None:
+            b = torch.zeros((n,), dtype=torch.float32)
+            b[:bias.numel()] = bias.reshape(-1)
+        entry = _CONCATENATED[id(kernel)] = (entry[0], (torch.cat(mats, 1).contiguous(), b))
+    return entry[1]
+
+
+def fused_projection(x2, kernel, bias, dw1, qkw, dd, *, C, rank, gelu_approximate, eps):
+    """A decoding step's query projection and dynamic weights from one product, or None.
+
+    x2 (BL, D); kernel (D, ...) and bias (...) or None: the query projection; dw1, qkw, dd
+    as ``dcmha.ops.dynamic_weights`` takes them. Returns (x2 . kernel + bias as (BL, n_q),
+    {"w1", "w2": (BL, G, C, R, M), "dd": (BL, G, C, M)} (those present)), float32.
+
+    One matrix product with [kernel | dw1 | dd] reads the three weights at the threaded
+    product's bandwidth, where the kernel's matrix-vector product (``dynamic_weights``)
+    reads dw1 and dd on one thread; the compiled kernel computes the rest
+    (``cpu_kernel.dynamic_finish``). The cost: a copy of the concatenation per layer
+    (``_concatenated``), D x (n_q + G C (K + M)) floats. None where it does not run:
+    ``FUSED_PROJECTION`` off, more than ``cpu_kernel.DYNAMIC_ROWS`` rows, an array not
+    float32, ``dynamic_weights``' conditions, or the first call with these weights."""
+    import torch
+
+    arrays = [w for w in (x2, kernel, bias, dw1, qkw, dd) if w is not None]
+    if (not FUSED_PROJECTION or x2.shape[0] > cpu_kernel.DYNAMIC_ROWS
+            or any(a.dtype != torch.float32 for a in arrays)):
+        return None
+    lib = _kernel_for(*arrays)
+    if lib is None:
+        return None
+    fused = _concatenated(kernel, bias, dw1, dd)
+    if fused is None:
+        return None
+    w, b = fused
+    y = torch.mm(x2, w) if b is None else torch.addmm(b, x2, w)
+    BL, n_q = x2.shape[0], kernel[0].numel()
+    G, K, M = cpu_kernel.dynamic_sizes(dw1, qkw, dd, C)
+    out = _outputs(BL, G, C, rank, M, dw1 is not None, dd is not None)
+    g_col = n_q + (G * C * K if dw1 is not None else 0)      # x dw1 starts at n_q
+    cpu_kernel.dynamic_finish(lib, y, n_q, g_col, None if qkw is None else qkw.contiguous(),
+                              out.get("w1"), out.get("w2"), out.get("dd"), GC=G * C, K=K,
+                              M=M, rank=rank, gelu_approximate=gelu_approximate, eps=eps)
+    return y[:, :n_q], out
