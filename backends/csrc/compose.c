@@ -506,6 +506,47 @@ int dcmha_compose_cached(int64_t B, int64_t G, int64_t M, int64_t T, int64_t S, 
                                0, 0);
 }
 
+/* exp(x) of VL lanes with x <= 0 (a softmax's shifted scores): 2^k p(r) with
+   k = round(x log2 e), r = x - k ln 2 (two-part ln 2) and p the degree-7 Taylor polynomial
+   (relative error ~1e-8 on |r| <= ln2 / 2, below float32's rounding); 0 below -87.3 (where
+   float32's exp underflows), so masked keys get exactly 0. */
+typedef int32_t vi __attribute__((vector_size(4 * VL), aligned(4)));
+INLINE vf vexp(vf x) {
+    const vf zero = {0}, lo = zero - 87.3f;
+    const vi under = x < lo;
+    x = (vf)(((vi)x & ~under) | ((vi)lo & under));
+    const vf k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round */
+    const vf r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
+    vf p = r * (1.0f / 5040) + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const vi scale = (__builtin_convertvector(k, vi) + 127) << 23;
+    return (vf)((vi)(p * (vf)scale) & ~under);
+}
+
+/* A row of S floats as its softmax, in place, in float32 (the maximum subtracted; the
+   exponentials by vexp, VL at a time): entries at or below -87.3 under the maximum, such
+   as masked scores, get exactly 0. */
+static void softmax_row(float *row, int64_t S) {
+    const int64_t sv = S - S % VL;
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < S; s++) mx = row[s] > mx ? row[s] : mx;
+    vf sum = {0};
+    for (int64_t s = 0; s < sv; s += VL) {
+        const vf e = vexp(LD(row + s) - mx);
+        ST(row + s, e);
+        sum += e;
+    }
+    float total = hsum(&sum);
+    for (int64_t s = sv; s < S; s++) total += row[s] = expf(row[s] - mx);
+    const float inv = 1.0f / total;
+    for (int64_t s = 0; s < S; s++) row[s] *= inv;
+}
+
 /* The rows of x (n rows of S) as softmax(where(mask, x, masked)) into p (p may be x); row i
    reads mask + mask_row(i) (a row of mask_s values, a size-1 row broadcast), NULL: no mask. */
 static void masked_softmax(const float *x, float *p, int64_t B, int64_t N, int64_t S,
@@ -517,19 +558,9 @@ static void masked_softmax(const float *x, float *p, int64_t B, int64_t N, int64
             float *pr = p + (b * N + n) * S;
             const uint8_t *mr = mask ? mask + ((mask_b == 1 ? 0 : b) * mask_n
                                                + (mask_n == 1 ? 0 : n)) * mask_s : 0;
-            float mx = -INFINITY;
-            for (int64_t s = 0; s < S; s++) {
-                const float v = mr && !mr[mask_s == 1 ? 0 : s] ? masked : xr[s];
-                pr[s] = v;
-                mx = v > mx ? v : mx;
-            }
-            float sum = 0.0f;
-            for (int64_t s = 0; s < S; s++) {
-                pr[s] = expf(pr[s] - mx);
-                sum += pr[s];
-            }
-            const float inv = 1.0f / sum;
-            for (int64_t s = 0; s < S; s++) pr[s] *= inv;
+            for (int64_t s = 0; s < S; s++)
+                pr[s] = mr && !mr[mask_s == 1 ? 0 : s] ? masked : xr[s];
+            softmax_row(pr, S);
         }
 }
 
@@ -567,51 +598,15 @@ int dcmha_decode_probs(int64_t B, int64_t G, int64_t M, int64_t S, const float *
     return failed;
 }
 
-/* exp(x) of VL lanes with x <= 0 (a softmax's shifted scores): 2^k p(r) with
-   k = round(x log2 e), r = x - k ln 2 (two-part ln 2) and p the degree-7 Taylor polynomial
-   (relative error ~1e-8 on |r| <= ln2 / 2, below float32's rounding); 0 below -87.3 (where
-   float32's exp underflows), so masked keys get exactly 0. */
-typedef int32_t vi __attribute__((vector_size(4 * VL), aligned(4)));
-INLINE vf vexp(vf x) {
-    const vf zero = {0}, lo = zero - 87.3f;
-    const vi under = x < lo;
-    x = (vf)(((vi)x & ~under) | ((vi)lo & under));
-    const vf k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round */
-    const vf r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
-    vf p = r * (1.0f / 5040) + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const vi scale = (__builtin_convertvector(k, vi) + 127) << 23;
-    return (vf)((vi)(p * (vf)scale) & ~under);
-}
-
 /* Each of n rows of S floats (row i at x + i * S) as softmax(row + bias row), in place, in
    float32; bias row i at bias + i * bias_i (S floats). */
 static void bias_softmax_rows(float *x, int64_t n, int64_t S, const float *bias,
                               int64_t bias_i) {
-    const int64_t sv = S - S % VL;
     for (int64_t i = 0; i < n; i++) {
         float *row = x + i * S;
         const float *br = bias + i * bias_i;
-        float mx = -INFINITY;
-        for (int64_t s = 0; s < S; s++) {
-            row[s] += br[s];
-            mx = row[s] > mx ? row[s] : mx;
-        }
-        vf sum = {0};
-        for (int64_t s = 0; s < sv; s += VL) {
-            const vf e = vexp(LD(row + s) - mx);
-            ST(row + s, e);
-            sum += e;
-        }
-        float total = hsum(&sum);
-        for (int64_t s = sv; s < S; s++) total += row[s] = expf(row[s] - mx);
-        const float inv = 1.0f / total;
-        for (int64_t s = 0; s < S; s++) row[s] *= inv;
+        for (int64_t s = 0; s < S; s++) row[s] += br[s];
+        softmax_row(row, S);
     }
 }
 
