@@ -283,7 +283,9 @@ def plain_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
     if dw1 is not None:
         h = ops.gelu(ops.einsum("bld,dgck->blgck", x, as_dtype(dw1, "float32")),
                      approximate=gelu_approximate)
-        w = ops.einsum("blgck,gckrm->blgcrm", h, as_dtype(qkw, "float32"))
+        # qkw first: with h first, XLA (jax) copies qkw into a transposed layout at every
+        # call (for a decoding step, a copy of the weight per step).
+        w = ops.einsum("gckrm,blgck->blgcrm", as_dtype(qkw, "float32"), h)
         out["w1"] = rms_normalize(w[..., :rank, :], W1_NORM_EPS)
         out["w2"] = w[..., rank:, :]
     if dd is not None:
