@@ -8,7 +8,9 @@ whose cached step (one token at position 96 of a 128-position cache, causal, und
 ``torch.no_grad()``) runs in turn with the others, ``--steps`` rounds after 20 of warm-up.
 Printed: each variant's median step and its ratio to composition off. Variants: all
 switches (the issue's DCMHA), no dynamic gating, no dynamic projection, static composition
-only, composition off. See benchmarks/RESULTS.md ("Eighth stop").
+only, composition off; and all switches with the query and dynamic projections apart
+("unfused": ``torch_native.decode.FUSED_PROJECTION`` off for its calls). See
+benchmarks/RESULTS.md ("Eighth stop", "Ninth stop").
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 
 VARIANTS = {
     "all switches": {},
+    "all switches, unfused": {},
     "dynamic_gating=False": dict(dynamic_gating=False),
     "dynamic_projection=False": dict(dynamic_projection=False),
     "static composition only": dict(dynamic_projection=False, dynamic_gating=False,
@@ -41,6 +44,7 @@ def main(argv=None) -> int:
         ap.error(f"this script times eager PyTorch; KERAS_BACKEND={keras.backend.backend()}")
     import torch
 
+    from dcmha.backends.torch_native import decode
     from dcmha.layers import DCMHA
     D = args.width
     N = max(1, D // 80)
@@ -56,6 +60,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for r in range(20 + args.steps):
             for name, layer in layers.items():
+                decode.FUSED_PROJECTION = name != "all switches, unfused"
                 t0 = time.perf_counter()
                 layer(x, x, use_causal_mask=True, cache=caches[name], cache_update_index=index)
                 if r >= 20:
