@@ -412,12 +412,18 @@ void dcmha_fill_args(Args *a, const int64_t *d, int64_t R, const float *x, const
    batch b from position b * b_rows (b_rows = S_b >= S: the first S of each batch's). */
 static void keys_last(const float *src, int64_t B, int64_t S, int64_t G, int64_t rest,
                       int64_t row_stride, int64_t b_rows, float *dst) {
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t s = 0; s < S; s++) {
-            const float *row = src + (b * b_rows + s) * row_stride;
-            float *o = dst + b * G * rest * S + s;
-            for (int64_t i = 0; i < G * rest; i++) o[i * S] = row[i];
+    for (int64_t b = 0; b < B; b++) {     /* dst's rows written in order, VL keys at a time */
+        const float *sb = src + b * b_rows * row_stride;
+        float *ob = dst + b * G * rest * S;
+        for (int64_t s0 = 0; s0 < S; s0 += VL) {
+            const int64_t n = S - s0 < VL ? S - s0 : VL;
+            for (int64_t i = 0; i < G * rest; i++) {
+                float *o = ob + i * S + s0;
+                const float *c = sb + s0 * row_stride + i;
+                for (int64_t j = 0; j < n; j++) o[j] = c[j * row_stride];
+            }
         }
+    }
 }
 
 int64_t dcmha_cached_scratch(int64_t B, int64_t G, int64_t M, int64_t S, int64_t R,
