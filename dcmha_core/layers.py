@@ -1124,8 +1124,8 @@ class DCMHA(keras.layers.Layer):
         float32 query projection takes it (no LoRA, not quantised)."""
         dense, proj = self._query_dense, self.dynamic_projection_layer
         if (not proj.built or dense.lora_enabled or dense.quantization_mode is not None
-                or dense.compute_dtype != "float32" or dense.activation is not None
-                and dense.activation is not keras.activations.linear):
+                or dense.compute_dtype != "float32"
+                or dense.activation not in (None, keras.activations.linear)):
             return None
         return dops.fused_query_projection(
             query, dense.kernel, dense.bias, proj.dw1, proj.qkw, proj.dd, slots=proj.slots,
@@ -1240,10 +1240,10 @@ class DCMHA(keras.layers.Layer):
         kscale = getattr(self, "key_norm_scale", None)
         # Dynamic weights: query-side slots read `query`, key-side slots `key`.
         read_only = cache is not None and cache_update_index is None
-        dyn = None
+        fused = None                     # (projected query, dynamic weights) from one product
         if self_attention and not read_only and self._slots and not c.cross_attention:
-            dyn = self._fused_query(query)
-        q, dyn = dyn if dyn is not None else (self._project(self._query_dense, query), None)
+            fused = self._fused_query(query)
+        q = self._project(self._query_dense, query) if fused is None else fused[0]
         q = self._qk(q, qscale, q_pos)
         dynamic = self._dynamic_weights
         if c.cross_attention:
@@ -1254,7 +1254,8 @@ class DCMHA(keras.layers.Layer):
         elif not self._slots:
             qdyn, kdyn = {}, {}
         elif self_attention and not read_only:
-            dyn = dyn or dynamic(self.dynamic_projection_layer, query)
+            dyn = fused[1] if fused is not None else dynamic(self.dynamic_projection_layer,
+                                                             query)
             qdyn = {s: dyn[s] for s in self._query_slots}
             kdyn = {s: dyn[s] for s in self._key_slots}
         else:

@@ -509,3 +509,9 @@ def test_torch_fused_query_projection(reference_case, monkeypatch, name, use_bia
     monkeypatch.setattr(decode, "FUSED_PROJECTION", False)
     assert_close(run(), y_ref2)
     assert len(ran) == 3
+    # A query projection with LoRA (its B starts at zero: same numbers) is not fused.
+    monkeypatch.setattr(decode, "FUSED_PROJECTION", True)
+    layer.enable_lora(2, projections=("query",))
+    for _ in range(2):
+        assert_close(run(), y_ref2)
+    assert len(ran) == 3
