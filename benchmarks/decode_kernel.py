@@ -20,6 +20,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_variants import keras_with_backend  # noqa: E402
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -29,10 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args(argv)
-    os.environ.setdefault("KERAS_BACKEND", "jax")
-    import keras
-    if keras.backend.backend() != "jax":
-        ap.error(f"this script times JAX's FFI call; KERAS_BACKEND={keras.backend.backend()}")
+    keras_with_backend(ap, "jax", "JAX's FFI call")
     import jax
     import jax.numpy as jnp
 

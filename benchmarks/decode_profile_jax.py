@@ -26,6 +26,9 @@ import tempfile
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_variants import keras_with_backend  # noqa: E402
+
 CASES = {"lm1024": (4, 1024, 16, 64), "lm256": (4, 256, 8, 64)}
 
 
@@ -95,10 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--rows", type=int, default=25, help="groups printed per model")
     args = ap.parse_args(argv)
-    os.environ.setdefault("KERAS_BACKEND", "jax")
-    import keras
-    if keras.backend.backend() != "jax":
-        ap.error(f"this script profiles JAX; KERAS_BACKEND={keras.backend.backend()}")
+    keras_with_backend(ap, "jax", "JAX")
     for attention in ("dcmha", "mha"):
         total, rows = profile(attention, args.case, args.steps)
         print(f"\n{args.case} attention={attention}: {total:.0f} us of ops per step "

@@ -33,15 +33,22 @@ VARIANTS = {
 }
 
 
+def keras_with_backend(ap, backend, what):
+    """Keras, on ``backend`` unless KERAS_BACKEND names another: then ``ap``'s error, naming
+    ``what`` the script times (the decode benchmarks share it)."""
+    os.environ.setdefault("KERAS_BACKEND", backend)
+    import keras
+    if keras.backend.backend() != backend:
+        ap.error(f"this script times {what}; KERAS_BACKEND={keras.backend.backend()}")
+    return keras
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--width", type=int, default=2560)
     ap.add_argument("--steps", type=int, default=100)
     args = ap.parse_args(argv)
-    os.environ.setdefault("KERAS_BACKEND", "torch")
-    import keras
-    if keras.backend.backend() != "torch":
-        ap.error(f"this script times eager PyTorch; KERAS_BACKEND={keras.backend.backend()}")
+    keras = keras_with_backend(ap, "torch", "eager PyTorch")
     import torch
 
     from dcmha.backends.torch_native import decode
