@@ -75,6 +75,7 @@ COMPOSE_OPS = ("ComposeQ", "ComposeK", "ComposeD", "ComposeQK", "ComposeQD", "Co
 #: and a float16 cache's range as float32.
 CACHE_OPS = {"float32": "CacheHeads", "float16": "CacheHeads16"}
 CACHE_WIDEN_OP = "CacheHeads16F"
+CACHE_HEADS_OPS = tuple(CACHE_OPS.values()) + (CACHE_WIDEN_OP,)
 #: The per-query matrix of a Compose node's Q input from the spec's query-side terms
 #: (``query_matrix_function``), by the terms it takes: W (qw1, qw2), D (qdd), S (static).
 QUERY_OPS = ("QueryMatrixW", "QueryMatrixD", "QueryMatrixWD", "QueryMatrixWS", "QueryMatrixDS",
@@ -89,7 +90,7 @@ ROPE_HEADS_OPS = {"float32": "RopeHeads", "float16": "RopeHeads16"}
 STAGE_LETTERS = ("",) + tuple(n[len("Compose"):] for n in COMPOSE_OPS)
 PROBS_OPS = tuple(f"Probs{a}_{b}" for a in STAGE_LETTERS for b in STAGE_LETTERS if a or b)
 #: Every op of the ``dcmha`` domain that ``dcmha.export.ort_ops`` runs as compiled code.
-KERNEL_OPS = (COMPOSE_OPS + tuple(CACHE_OPS.values()) + (CACHE_WIDEN_OP,) + QUERY_OPS
+KERNEL_OPS = (COMPOSE_OPS + CACHE_HEADS_OPS + QUERY_OPS
               + tuple(ROPE_OPS.values()) + tuple(ROPE_HEADS_OPS.values()) + PROBS_OPS)
 #: Queries per chunk of the chunked attention (``attend_chunks``) unless the
 #: configuration sets ``query_chunk_size``: with plain-op composes, and with Compose nodes
@@ -1042,9 +1043,9 @@ def cache_heads_function(name: str, opset: Optional[int] = None) -> onnx.Functio
     int64 scalars) -> the cache's positions [start, stop) heads first, (B, H, stop - start,
     d). A decode step's Slice and Transpose (and Cast) of its key / value cache, which the
     compiled op does in one copy."""
-    if name not in tuple(CACHE_OPS.values()) + (CACHE_WIDEN_OP,):
+    if name not in CACHE_HEADS_OPS:
         raise ValueError(f"Not a CacheHeads op name: {name!r} (expected one of "
-                         f"{sorted(CACHE_OPS.values()) + [CACHE_WIDEN_OP]}).")
+                         f"{sorted(CACHE_HEADS_OPS)}).")
     e = Emitter()
     part = e.op("Slice", "cache", e.op("Unsqueeze", "start", e.i64(0)),
                 e.op("Unsqueeze", "stop", e.i64(0)), e.i64(1))
@@ -1180,7 +1181,7 @@ def kernel_function(name: str, opset: Optional[int] = None) -> onnx.FunctionProt
         return query_matrix_function(name, opset)
     if name in PROBS_OPS:
         return probs_function(name, opset)
-    if name in tuple(CACHE_OPS.values()) + (CACHE_WIDEN_OP,):
+    if name in CACHE_HEADS_OPS:
         return cache_heads_function(name, opset)
     return compose_function(name, opset)
 
