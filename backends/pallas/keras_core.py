@@ -23,6 +23,12 @@ Rules:
   through Triton, so on a TPU they would run in interpret mode (slow). Not on
   CPU: interpret mode is for tests.
 
+Under a ``keras.distribution`` mesh the kernels run once per shard
+(``dcmha.distribution.partitioned``: ``jax.shard_map``): the batch over the batch
+axis, whole composition groups with their heads over the model axis, so the custom
+call needs no collective; a layout that would split a group is refused by
+``unsupported`` with the reason, and ``"auto"`` takes the "ops" core.
+
 Named explicitly (``implementation="pallas"``) the kernels run anywhere JAX
 runs: interpreted on CPU / TPU, compiled on a GPU.
 
@@ -38,20 +44,28 @@ from __future__ import annotations
 
 def unsupported(call):
     """Why the Pallas kernels cannot run ``call`` (a str), or None when they can."""
+    from dcmha import distribution
     from dcmha.backends import pallas as pb
 
     if not pb.is_available():
         return "needs jax.experimental.pallas, which does not import here"
-    return None
+    return distribution.partition_problem(call)
 
 
 def attention(call):
-    """(o, extras) of the fused Pallas kernels for a validated ``AttentionCall``.
+    """(o, extras) of the fused Pallas kernels for a validated ``AttentionCall``, run
+    once per shard of the active ``keras.distribution`` mesh (see the module doc).
 
     Returns (o (B, T, N, d_v) float32, extras), extras {"attention_scores":
     (B, N, T, S) float32} with ``return_attention_scores``, else {}.
     ``query_chunk_size`` is ignored: the kernels tile queries and keys themselves.
     """
+    from dcmha import distribution
+    return distribution.partitioned(call, _attention)
+
+
+def _attention(call):
+    """(o, extras) of the kernels for one shard's call (the whole call on one device)."""
     import jax.numpy as jnp
 
     from dcmha import ops as dops

@@ -1,0 +1,169 @@
+"""The compiled attention paths under a device mesh: one training step (forward and
+gradients) of a tiny DCFormerLM compiled for 8 devices, under DataParallel (8-way) and
+ModelParallel (2 x 4, ``dcmha.distribution.model_parallel``).
+
+The 8 devices are XLA's virtual CPU devices (``--xla_force_host_platform_device_count=8``,
+set before jax is imported): the checks run in a subprocess, this file run as a script.
+For "jax_cpu" (the C kernel through ``jax.ffi``) and "pallas" (interpret mode) the
+compiled step has no more collectives of any kind than the "ops" core's, the kernel's
+custom call sees one device's share (B / data, G / model), the gradients equal one
+device's, and ``"auto"`` passes over a layout that would split a composition group, with
+the reason.
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":       # the 8-device worker: before jax is imported
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+    os.environ["KERAS_BACKEND"] = "jax"
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import keras
+
+pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax",
+                                reason="keras.distribution is implemented for jax only")
+
+VOCAB, BATCH = 64, 8
+#: T * S of the kernel path's runs: at least "auto"'s CPU threshold (64 * 128), so that
+#: "auto" takes "jax_cpu" on one device. Pallas (interpreted) runs a shorter sequence.
+LENGTHS = {"ops": 96, "jax_cpu": 96, "pallas": 32}
+COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|"
+                        r"collective-permute)(?:-start)?\(")
+
+
+def _lm(implementation, num_groups=4):
+    from dcmha.models import DCFormerLM
+
+    return DCFormerLM(vocab_size=VOCAB, num_layers=1, hidden_dim=32, num_heads=8,
+                      intermediate_dim=64, num_groups=num_groups, qk_norm=True,
+                      rope_max_wavelength=100.0, implementation=implementation, seed=3)
+
+
+def _worker():
+    """Runs in the subprocess; prints one JSON line with the results."""
+    import jax
+
+    from dcmha import distribution as ddist
+    from dcmha import registry
+
+    assert len(jax.devices()) == 8, jax.devices()
+    devices = keras.distribution.list_devices()
+    rng = np.random.default_rng(0)
+
+    def step(model, dist, tokens, targets):
+        """(compiled HLO text, gradients as numpy) of loss(weights) -> grad."""
+        def loss(trainable, non_trainable, x, y):
+            logits, _ = model.stateless_call(trainable, non_trainable, x)
+            return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(
+                y, logits, from_logits=True))
+
+        grad = jax.jit(jax.grad(loss))
+        args = ([v.value for v in model.trainable_variables],
+                [v.value for v in model.non_trainable_variables], tokens, targets)
+        if dist is not None:
+            layout = dist.get_data_layout(tokens.shape).backend_layout
+            args = args[:2] + tuple(jax.device_put(a, layout) for a in args[2:])
+        hlo = grad.lower(*args).compile().as_text()
+        return hlo, [np.asarray(g) for g in grad(*args)]
+
+    def summary(hlo):
+        counts = {}
+        for name in COLLECTIVE.findall(hlo):
+            counts[name] = counts.get(name, 0) + 1
+        calls = re.findall(r"f32\[([0-9,]+)\][^\n]*custom_call_target=\"dcmha_compose_forward",
+                           hlo)
+        return counts, sorted({c for c in calls})
+
+    out = {}
+    for impl, T in LENGTHS.items():
+        tokens = rng.integers(0, VOCAB, (BATCH, T)).astype("int32")
+        targets = rng.integers(0, VOCAB, (BATCH, T)).astype("int32")
+        ref_model = _lm(impl)
+        ref_model.build((None, None))
+        weights = ref_model.get_weights()
+        _, ref = step(ref_model, None, tokens, targets)
+        meshes = {"data_parallel": keras.distribution.DataParallel(devices=devices)}
+        mesh = keras.distribution.DeviceMesh((2, 4), ("data", "model"), devices)
+        meshes["model_parallel"] = ddist.model_parallel(mesh, _lm(impl))
+        for label, dist in meshes.items():
+            with dist.scope():
+                model = _lm(impl)
+                model.build((None, None))
+                model.set_weights(weights)
+                hlo, got = step(model, dist, tokens, targets)
+            counts, calls = summary(hlo)
+            scale = max(float(np.abs(g).max()) for g in ref)
+            out[f"{impl}/{label}"] = {
+                "collectives": counts, "compose_shapes": calls,
+                "grad_error": max(float(np.abs(a - b).max()) for a, b in zip(got, ref)) / scale}
+
+    # "auto" under a (2, 4) mesh: it takes the kernel when the 4 groups split over the 4
+    # model devices, and passes over it (with the reason) when 2 groups would straddle them.
+    from dcmha.call import describe
+    for groups in (4, 2):
+        mesh = keras.distribution.DeviceMesh((2, 4), ("data", "model"), devices)
+        with ddist.model_parallel(mesh, _lm("auto", groups)).scope():
+            q = np.zeros((BATCH, 96, 8, 4), "float32")
+            pre = {"static": np.zeros((groups, 8 // groups, 8 // groups), "float32")}
+            call = describe(q, q, q, num_groups=groups, pre=pre)
+            out[f"explain/{groups}"] = registry.explain(call)
+    print("RESULT " + json.dumps(out))
+
+
+@pytest.fixture(scope="module")
+def partitioned():
+    env = dict(os.environ, KERAS_BACKEND="jax", PYTHONHASHSEED="0")
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("impl", ["jax_cpu", "pallas"])
+@pytest.mark.parametrize("mesh", ["data_parallel", "model_parallel"])
+def test_no_more_collectives_than_ops(partitioned, impl, mesh):
+    ops = partitioned[f"ops/{mesh}"]["collectives"]
+    got = partitioned[f"{impl}/{mesh}"]["collectives"]
+    for name in set(ops) | set(got):
+        assert got.get(name, 0) <= ops.get(name, 0), (name, got, ops)
+    assert got.get("all-gather", 0) == 0, got
+
+
+@pytest.mark.parametrize("impl", ["ops", "jax_cpu", "pallas"])
+@pytest.mark.parametrize("mesh", ["data_parallel", "model_parallel"])
+def test_gradients_equal_one_device(partitioned, impl, mesh):
+    assert partitioned[f"{impl}/{mesh}"]["grad_error"] < 1e-5, partitioned[f"{impl}/{mesh}"]
+
+
+def test_kernel_sees_one_device_share(partitioned):
+    """The compose custom call's block (B, G, M, t, s) is per device: B / 8 under
+    DataParallel; B / 2 and G / 4 under the (2, 4) ModelParallel mesh."""
+    shapes = {m: {tuple(int(x) for x in s.split(","))[:3]
+                  for s in partitioned[f"jax_cpu/{m}"]["compose_shapes"]}
+              for m in ("data_parallel", "model_parallel")}
+    assert shapes["data_parallel"] == {(BATCH // 8, 4, 2)}, shapes
+    assert shapes["model_parallel"] == {(BATCH // 2, 1, 2)}, shapes
+
+
+def test_auto_passes_over_a_split_group_with_the_reason(partitioned):
+    taken = dict(partitioned["explain/4"])
+    assert taken["jax_cpu"] is None, taken
+    reasons = dict(partitioned["explain/2"])
+    assert reasons["jax_cpu"] == (
+        "its 2 composition groups do not split over the 4 devices of the mesh axis 'model': "
+        "a group would straddle devices and every device would compute all groups"), reasons
+    assert reasons["ops"] is None
+
+
+if __name__ == "__main__":
+    _worker()
