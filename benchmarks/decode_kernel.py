@@ -7,8 +7,8 @@ softmax, in microseconds per call.
 One process; each function runs ``--calls`` times in one jitted ``fori_loop`` (the loop's
 carry feeds the next call, so nothing is hoisted), ``--repeats`` times, and the median per
 call is printed, with the kernel's time for subsets of the terms (query side only, key side
-only, the gates only). B = 1, one group of M = heads heads. See benchmarks/RESULTS.md
-("Ninth stop").
+only, the gates only). B = 1, one group of M = heads heads. Figures: benchmarks/RESULTS.md
+("Cached decoding", "Where a step's time goes").
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ program) runs 50 steps to warm up, then ``--steps`` steps under ``jax.profiler``
 Perfetto trace; the trace's op events are joined with the compiled program's HLO (op kind and
 output shape, and the ``op_name`` of the Keras op). Printed per model: time per step of each
 (kind, shape, op name) group, largest first, and the sum over the ops. The profiler slows every
-op, so the sums are above the timed step; the split is what the script is for. See
-benchmarks/RESULTS.md ("Ninth stop").
+op, so the sums are above the timed step; the split is what the script is for. Figures:
+benchmarks/RESULTS.md ("Cached decoding", "Where a step's time goes").
 """
 
 from __future__ import annotations

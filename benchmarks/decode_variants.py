@@ -7,10 +7,10 @@ One process; each variant is a ``DCMHA`` layer (N = D / 80 heads, RoPE, the same
 whose cached step (one token at position 96 of a 128-position cache, causal, under
 ``torch.no_grad()``) runs in turn with the others, ``--steps`` rounds after 20 of warm-up.
 Printed: each variant's median step and its ratio to composition off. Variants: all
-switches (the issue's DCMHA), no dynamic gating, no dynamic projection, static composition
+switches (DCMHA as ``inference.py`` times it), no dynamic gating, no dynamic projection, static composition
 only, composition off; and all switches with the query and dynamic projections apart
-("unfused": ``torch_native.decode.FUSED_PROJECTION`` off for its calls). See
-benchmarks/RESULTS.md ("Eighth stop", "Ninth stop").
+("unfused": ``torch_native.decode.FUSED_PROJECTION`` off for its calls). Figures:
+benchmarks/RESULTS.md ("Cached decoding", "Where a step's time goes").
 """
 
 from __future__ import annotations

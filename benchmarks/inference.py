@@ -3,7 +3,7 @@
     python benchmarks/inference.py [--section decode|onnx|all] [--backends jax,torch,tensorflow]
         [--cases lm1024,lm256,layer2560] [--repeats 5] [--json out.json]
 
-Section "decode" (issue 15, items 1 and 3), one process per Keras backend (the
+Section "decode", one process per Keras backend (the
 script re-invokes itself with KERAS_BACKEND set; float32, CPU, batch 1):
 
 - "lm1024" / "lm256": ``DCFormerLM`` with 4 layers, D=1024 N=16 (64-token

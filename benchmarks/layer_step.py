@@ -189,7 +189,7 @@ def conditions(layer, x):
            "dcmha_torch_workers": os.environ.get("DCMHA_TORCH_WORKERS")}
     q = keras.ops.convert_to_tensor(np.zeros((x.shape[0], x.shape[1], layer.num_heads,
                                               layer.key_dim), "float32"))
-    explain = getattr(dops, "explain_implementation", None)      # (absent before 0.2)
+    explain = getattr(dops, "explain_implementation", None)      # absent in older checkouts
     out["auto_takes"] = explain(q, q, q, use_causal_mask=True)[-1][0] if explain else None
     backend = keras.backend.backend()
     if backend == "torch":

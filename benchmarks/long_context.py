@@ -1,6 +1,6 @@
 """Peak memory of a long causal forward of one DCMHA layer, per Keras backend.
 
-Issue 4's long-context target: B=1, T=16384, D=1024, N=16 (key_dim 64), causal,
+The long-context target: B=1, T=16384, D=1024, N=16 (key_dim 64), causal,
 float32, on a 2-core 24 GB machine, peak RSS <= 3 GiB (the unchunked scores
 alone would be 16 heads x 16384^2 x 4 bytes = 17 GB).
 

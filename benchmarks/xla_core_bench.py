@@ -6,7 +6,7 @@
     python benchmarks/xla_core_bench.py --only rss      # 16k-token forward, peak RSS
     python benchmarks/xla_core_bench.py --json out.json
 
-Three measurements (issue 4's targets in brackets):
+Three measurements (the targets in brackets):
 
 * core: the DCMHA core (pre and post compose with query-/key-wise projection and
   gating, DCFormer++'s layout: G=1, R=2) against a plain MHA core
