@@ -992,10 +992,7 @@ def attention(call, *, decode_probs=None):
 
 
 #: The plain core's registration (entry point ``ops`` of ``dcmha.implementations``).
-IMPLEMENTATION = registry.Implementation(
-    name="ops", backend="any", module="dcmha.ops", devices=frozenset({"cpu", "gpu", "tpu"}),
-    terms=frozenset(spec_terms.TERM_NAMES),     # every term: its arithmetic is read from the spec
-    description="the plain keras.ops core (every backend, every capability)")
+IMPLEMENTATION = registry.OPS
 
 
 def resolve_implementation(implementation):

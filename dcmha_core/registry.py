@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 from dcmha.spec import terms as spec_terms
 
 __all__ = ["CAPABILITIES", "ENTRY_POINT_GROUP", "Implementation", "implementations", "get",
-           "register", "unregister", "select", "explain", "resolve", "current_device",
+           "OPS", "register", "unregister", "select", "explain", "resolve", "current_device",
            "load_errors"]
 
 _log = logging.getLogger("dcmha.dispatch")
@@ -140,6 +140,16 @@ class Implementation:
         return self.backend in ("any", backend)
 
 
+#: The plain ``keras.ops`` core (``dcmha.ops``; entry point ``ops``, which loads it as
+#: ``dcmha.ops.IMPLEMENTATION``): every backend, device and capability, and every compose
+#: term (its arithmetic is read from the spec). Declared here, so that the table has it
+#: even where the entry points are missing, without importing ``dcmha.ops``.
+OPS = Implementation(
+    name="ops", backend="any", module="dcmha.ops", devices=frozenset({"cpu", "gpu", "tpu"}),
+    terms=frozenset(spec_terms.TERM_NAMES),
+    description="the plain keras.ops core (every backend, every capability)")
+
+
 # ---------------------------------------------------------------------------
 # The table: entry points, loaded once, plus in-process registrations
 # ---------------------------------------------------------------------------
@@ -180,8 +190,7 @@ def _load_table() -> Dict[str, Implementation]:
         table[impl.name] = impl
     if "ops" not in table:
         # An install whose metadata predates the registry (pip install -e . not rerun).
-        from dcmha.ops import IMPLEMENTATION as ops_impl
-        table["ops"] = ops_impl
+        table["ops"] = OPS
     return table
 
 

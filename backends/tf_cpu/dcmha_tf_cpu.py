@@ -106,7 +106,7 @@ def dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate, eps):
     and the plain form is some 20 ops; the op writes each slot's array in its final
     shape, so no reshape or unstack follows it. Its gradient (registered for the op) is
     the plain form's."""
-    from ..xla.dcmha_xla import in_xla_context
+    from ..tf_common import in_xla_context
     B, L = x.shape[0], x.shape[1]
     if (B is None or L is None or B * L > cpu_kernel.DYNAMIC_ROWS or in_xla_context()
             or not load()):

@@ -17,7 +17,7 @@ from .. import cpu_blocks
 
 def unsupported(call):
     """None if this path can run ``call``, else the reason why not."""
-    from ..xla.dcmha_xla import in_xla_context
+    from ..tf_common import in_xla_context
     from . import dcmha_tf_cpu
     if in_xla_context():
         return ("the call is traced for XLA (jit_compile=True), which cannot compile the "

@@ -60,6 +60,7 @@ from dcmha import call as dcall
 from dcmha.spec import terms as spec_terms
 
 from .. import kernel_call
+from ..tf_common import in_xla_context
 
 __all__ = ["dcmha_attention", "dcmha_attention_reference", "default_query_chunk_size",
            "is_available", "TERM_NAMES"]
@@ -532,18 +533,6 @@ def _remember(key, fn):
     while len(_COMPILED) > COMPILE_CACHE_SIZE:
         _COMPILED.popitem(last=False)
     return fn
-
-
-def in_xla_context() -> bool:
-    """Whether we are being traced inside a tf.function(jit_compile=True)."""
-    tf = _tf()
-    if tf.executing_eagerly():
-        return False
-    try:
-        from tensorflow.python.ops import control_flow_util
-        return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-    except (ImportError, AttributeError):  # private API moved: nesting still works, slower
-        return False
 
 
 def _compiled(key):
