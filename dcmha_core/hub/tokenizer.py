@@ -1,6 +1,5 @@
 """DCFormerTokenizer: a Hugging Face tokenizer.json as a keras-hub Tokenizer."""
 
-import json
 import os
 
 import keras
@@ -10,16 +9,16 @@ from keras_hub.src.utils.tensor_utils import (canonicalize_python_string_inputs,
                                               canonicalize_python_token_inputs,
                                               preprocessing_function)
 
+from dcmha.checkpoints import read_official_config
+from dcmha.checkpoints._files import short
 from dcmha.hub.backbone import DCFormerBackbone
-from dcmha.hub._release import release_dir
+from dcmha.hub._release import (TOKENIZER_FILE, check_tokenizer_text, read_tokenizer_json,
+                                release_dir)
 
 try:
     import tensorflow as tf
 except ImportError:  # the python path needs no TensorFlow
     tf = None
-
-TOKENIZER_FILE = "tokenizer.json"
-
 
 def _check_id(name, value):
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
@@ -81,13 +80,13 @@ class DCFormerTokenizer(Tokenizer):
         if not isinstance(vocabulary, str):
             raise ValueError("`vocabulary` must be tokenizer.json text or a path to it. "
                              f"Received: {type(vocabulary).__name__}")
-        if not vocabulary.lstrip().startswith("{"):
-            if not os.path.isfile(vocabulary):
-                raise ValueError("`vocabulary` must be tokenizer.json text or a path to it. "
-                                 f"Received: vocabulary={vocabulary[:80]!r}")
-            with open(vocabulary, encoding="utf-8") as f:
-                vocabulary = f.read()
-        self._tokenizer = HFTokenizer.from_str(vocabulary)
+        if vocabulary.lstrip().startswith("{"):
+            self._tokenizer = check_tokenizer_text(vocabulary, "`vocabulary`", HFTokenizer)
+        elif os.path.isfile(vocabulary):
+            self._tokenizer = read_tokenizer_json(vocabulary)
+        else:
+            raise ValueError("`vocabulary` must be tokenizer.json text or a path to it. "
+                             f"Received: vocabulary={vocabulary[:80]!r}")
         size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         for name in ("start_token_id", "end_token_id", "pad_token_id"):
             value = getattr(self, name)
@@ -219,8 +218,13 @@ class DCFormerTokenizer(Tokenizer):
         path = os.path.join(directory, TOKENIZER_FILE)
         if not os.path.isfile(path):
             raise ValueError(f"{directory} has no {TOKENIZER_FILE}.")
-        with open(os.path.join(directory, "config.json")) as f:
-            config = json.load(f)
+        config = read_official_config(directory)
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = config.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 0):
+                raise ValueError(f"config.json: {key!r} must be null or a non-negative "
+                                 f"integer. Received: {short(value)}")
         pad = config.get("pad_token_id")
         ids = dict(start_token_id=config.get("bos_token_id"),
                    end_token_id=config.get("eos_token_id"),
