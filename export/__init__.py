@@ -79,19 +79,18 @@ def to_onnx(obj, path, *, opset: Optional[int] = None, dynamic: bool = True,
     option, or the layer class and its place in the model, when something
     cannot be exported; ``path`` is then left untouched.
     """
-    from dcmha.export import keras_export
+    from dcmha.export.keras_export import build
 
     _check_options(path, dynamic=dynamic, decode=decode, use_causal_mask=use_causal_mask,
                    compose_nodes=compose_nodes,
                    attention_mask=attention_mask, return_attention_scores=return_attention_scores,
                    self_attention=self_attention, input_shapes=input_shapes,
                    batch_size=batch_size, cache_length=cache_length)
-    model = keras_export.build(obj, opset=opset, dynamic=dynamic, dtype=dtype, decode=decode,
-                               self_attention=self_attention, use_causal_mask=use_causal_mask,
-                               attention_mask=attention_mask,
-                               return_attention_scores=return_attention_scores,
-                               input_shapes=input_shapes, batch_size=batch_size,
-                               cache_length=cache_length, compose_nodes=compose_nodes)
+    model = build(obj, opset=opset, dynamic=dynamic, dtype=dtype, decode=decode,
+                  self_attention=self_attention, use_causal_mask=use_causal_mask,
+                  attention_mask=attention_mask, return_attention_scores=return_attention_scores,
+                  input_shapes=input_shapes, batch_size=batch_size, cache_length=cache_length,
+                  compose_nodes=compose_nodes)
     save_model(model, path)
     return model
 

@@ -6,6 +6,11 @@ becomes one ``dcmha.DCMHA*`` function node (see ``dcmha.export.core``); the
 standard layers below are written as plain ONNX ops. Anything else raises a
 ValueError naming the layer class and where it sits in the model.
 
+A DCMHA layer is recognised by ``isinstance``, so a subclass exports as DCMHA does,
+unless it overrides ``_compute_attention``: the graph writes DCMHA's own attention core
+and cannot see the override, so such a layer is refused (``attention_core_refusal``)
+unless, in a model, a converter is registered for its class.
+
 Supported Keras layers: InputLayer, Dense (linear, relu, gelu, silu/swish,
 sigmoid, tanh, softmax, relu6, softplus, elu, leaky_relu activations),
 Activation, ReLU, Softmax, LayerNormalization, RMSNormalization, Embedding,
@@ -29,7 +34,9 @@ from onnx import TensorProto
 
 import keras
 
-from dcmha.export import core
+from dcmha.export.builder import ModelBuilder
+from dcmha.export.call_spec import CallSpec, check_call, check_params, decode_names
+from dcmha.layers import DCMHA
 from dcmha.spec import reference as ref
 
 # ---------------------------------------------------------------------------
@@ -53,7 +60,7 @@ class ExportError(ValueError):
 class Context:
     """State of one export: the ModelBuilder, the decode cache plumbing, the layer path."""
 
-    def __init__(self, builder: core.ModelBuilder, decode: bool, dynamic: bool = True,
+    def __init__(self, builder: ModelBuilder, decode: bool, dynamic: bool = True,
                  batch_size: int = 1, cache_length: Optional[int] = None):
         self.b = builder
         self.dynamic, self.batch_size, self.cache_length = dynamic, batch_size, cache_length
@@ -145,7 +152,21 @@ def dcmha_config(layer) -> ref.Config:
 
 
 def _is_dcmha(op) -> bool:
-    return type(op).__name__ == "DCMHA" and hasattr(op, "spec_weights")
+    return isinstance(op, DCMHA)
+
+
+def attention_core_refusal(layer) -> Optional[str]:
+    """Why a DCMHA layer cannot be exported, or None: its class overrides
+    ``_compute_attention``. The exported function is DCMHA's own attention core
+    (``spec/reference.py``); an override replaces that core in Keras, and the graph cannot
+    see what it computes. (Inside a model, a converter registered for the class is used
+    instead and this check is not reached.)"""
+    cls = type(layer)
+    if getattr(cls, "_compute_attention", None) is getattr(DCMHA, "_compute_attention", None):
+        return None
+    return (f"DCMHA layer {layer.name!r} of class {cls.__module__}.{cls.__qualname__} overrides "
+            "`_compute_attention`: the ONNX exporter writes DCMHA's own attention core and "
+            "cannot see the override's")
 
 
 def _dcmha(ctx: Context, layer, query, value=None, key=None, attention_mask=None,
@@ -156,6 +177,9 @@ def _dcmha(ctx: Context, layer, query, value=None, key=None, attention_mask=None
     if cache is not None or cache_update_index is not None:
         raise ctx.fail("A DCMHA call with an explicit `cache` cannot be exported; export the "
                        "model without it and use decode=True")
+    refusal = attention_core_refusal(layer)
+    if refusal:
+        raise ctx.fail(refusal)
     for n, v in (("use_causal_mask", use_causal_mask),
                  ("return_attention_scores", return_attention_scores)):
         if not isinstance(v, (bool, np.bool_)):
@@ -167,7 +191,7 @@ def _dcmha(ctx: Context, layer, query, value=None, key=None, attention_mask=None
     value = query if value is None else value
     key = value if key is None else key
     self_attention = value is query and key is query
-    call = core.CallSpec(self_attention=self_attention, use_causal_mask=bool(use_causal_mask),
+    call = CallSpec(self_attention=self_attention, use_causal_mask=bool(use_causal_mask),
                          attention_mask=attention_mask is not None,
                          return_attention_scores=bool(return_attention_scores),
                          decode=ctx.decode)
@@ -176,7 +200,7 @@ def _dcmha(ctx: Context, layer, query, value=None, key=None, attention_mask=None
                        f"(layer(x, x, use_causal_mask=True)); layer {layer.name!r} is called with "
                        f"self_attention={self_attention}, use_causal_mask={bool(use_causal_mask)}")
     try:
-        core.check_call(cfg, call)
+        check_call(cfg, call)
     except ValueError as err:
         raise ctx.fail(f"DCMHA layer {layer.name!r}: {err}") from None
     params = {n: np.asarray(w, np.float32) for n, w in layer.spec_weights().items()}
@@ -192,7 +216,7 @@ def _dcmha(ctx: Context, layer, query, value=None, key=None, attention_mask=None
         if not ctx.dynamic and ctx.cache_length is None:
             raise ctx.fail("decode=True with dynamic=False needs `cache_length`")
         lead = ["batch", "cache_length"] if ctx.dynamic else [ctx.batch_size, ctx.cache_length]
-        for n in core.decode_names(cfg):
+        for n in decode_names(cfg):
             dims = lead + list(shapes[n][2:])
             past[n] = ctx.b.add_input(f"past_{n}{suffix}", ctx.ft, dims)
             entry["past"][n], entry["present"][n] = past[n], f"present_{n}{suffix}"
@@ -210,7 +234,7 @@ def _dcmha(ctx: Context, layer, query, value=None, key=None, attention_mask=None
                            name=layer_id or "dcmha")
     if ctx.decode:
         entry = ctx.caches[-1]
-        entry["values"] = {n: outs["present_" + n] for n in core.decode_names(cfg)}
+        entry["values"] = {n: outs["present_" + n] for n in decode_names(cfg)}
     y = Value(outs["output"], ctx.ft, 3)
     if return_attention_scores:
         return y, Value(outs["attention_scores"], TensorProto.FLOAT, 4)
@@ -422,11 +446,11 @@ def _functional(model):
 def _convert_op(ctx: Context, op, args, kwargs):
     ctx.path.append(op.name)
     try:
-        if _is_dcmha(op):
-            return _dcmha(ctx, op, *args, **kwargs)
-        fn = _converter(op)
+        fn = _converter(op)      # a registered converter first: it may take a DCMHA subclass
         if fn is not None:
             return fn(ctx, op, *args, **kwargs)
+        if _is_dcmha(op):
+            return _dcmha(ctx, op, *args, **kwargs)
         if isinstance(op, keras.Model) and _functional(op) is not None:
             return _walk(ctx, _functional(op), args, kwargs)
         raise ctx.fail(f"The ONNX exporter cannot write layer {op.name!r} of class "
@@ -464,7 +488,7 @@ def build(obj, *, opset: Optional[int] = None, dynamic: bool = True, dtype: str 
           batch_size: int = 1, cache_length: Optional[int] = None,
           compose_nodes: bool = True) -> onnx.ModelProto:
     """The ONNX ModelProto of a DCMHA layer or a Keras model (see ``to_onnx``)."""
-    b = core.ModelBuilder(dtype=dtype, opset=opset, name=getattr(obj, "name", "dcmha"),
+    b = ModelBuilder(dtype=dtype, opset=opset, name=getattr(obj, "name", "dcmha"),
                           compose_nodes=compose_nodes)
     ctx = Context(b, decode, dynamic, batch_size, cache_length)
     meta: Dict[str, Any] = {"decode": bool(decode), "dtype": dtype}
@@ -535,13 +559,16 @@ def _static_shape(name, shape, dynamic, input_shapes, batch_size, symbols):
 
 def _build_layer(ctx, layer, dynamic, self_attention, use_causal_mask, attention_mask,
                  return_attention_scores, input_shapes, batch_size) -> dict:
+    refusal = attention_core_refusal(layer)
+    if refusal:
+        raise ExportError(refusal)
     if not layer.built:
         raise ExportError(f"DCMHA layer {layer.name!r} is not built yet: call it on inputs first.")
     cfg = dcmha_config(layer)
     if self_attention is None:
         self_attention = not cfg.cross_attention
     params = {n: np.asarray(w, np.float32) for n, w in layer.spec_weights().items()}
-    D_q, D_kv, D_out = core.check_params(cfg, params)
+    D_q, D_kv, D_out = check_params(cfg, params)
     _check_input_names(input_shapes, ["query"] + (
         ["value", "key"] if not self_attention and not ctx.decode else []) + (
         ["attention_mask"] if attention_mask else []))

@@ -20,7 +20,7 @@ import ctypes
 import threading
 from typing import Optional, Tuple
 
-from dcmha.export.core import KERNEL_OPS as OP_NAMES   # the ops the library must define
+from dcmha.export.op_names import KERNEL_OPS as OP_NAMES   # the ops the library must define
 
 _LOCK = threading.Lock()
 _STATE: dict = {}

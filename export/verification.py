@@ -9,7 +9,8 @@ from typing import Dict, List, Mapping, Optional, Sequence
 import numpy as np
 import onnx
 
-from dcmha.export import core
+from dcmha.export.call_spec import NP_DTYPES
+from dcmha.export.runtime import session
 
 
 def read_export_metadata(model_or_path) -> dict:
@@ -124,8 +125,8 @@ def verify(path, obj, inputs, *, decode_steps: Optional[Sequence[int]] = None,
     with max_rel = max|error| / max|expected|.
     """
     meta = read_export_metadata(path)
-    sess = core.session(path)
-    np_dtype = core.NP_DTYPES[meta["dtype"]]
+    sess = session(path)
+    np_dtype = NP_DTYPES[meta["dtype"]]
     if meta["kind"] == "layer":
         names = [n for n in ("query", "value", "key", "attention_mask")
                  if n in meta["inputs"] or (meta["decode"] and n == "query")]

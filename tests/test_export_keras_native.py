@@ -1,4 +1,4 @@
-"""Keras's own ``Model.export`` of models with DCMHA (issue 13, item 6), per Keras backend.
+"""Keras's own ``Model.export`` of models with DCMHA, per Keras backend.
 
 ``format="onnx"`` (jax: jax2onnx; torch: torch.onnx's TorchScript exporter; tensorflow:
 tf2onnx) with the batch and length dynamic, run in onnxruntime at two batch sizes and two
