@@ -26,6 +26,8 @@ import numpy as np
 import keras
 from keras import ops
 
+from dcmha import checkpoints
+from dcmha.checkpoints import official_intermediate_size
 from dcmha.layers import DCMHA, readable_value
 
 __all__ = [
@@ -52,12 +54,6 @@ def _check_positive_int(name, value, allow_none=False):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         kind = "None or a positive integer" if allow_none else "a positive integer"
         raise ValueError(f"`{name}` must be {kind}. Received: {name}={value!r}")
-
-
-def official_intermediate_size(hidden_dim: int, multiple_of: int = 256) -> int:
-    """The official SwiGLU width: int(2 * 4 * hidden_dim / 3) rounded up to `multiple_of`."""
-    n = int(2 * 4 * hidden_dim / 3)
-    return multiple_of * (-(-n // multiple_of))
 
 
 def default_intermediate_dim(hidden_dim: int) -> int:
@@ -504,8 +500,7 @@ class DCFormerLM(keras.Model):
         import os
         if isinstance(name, os.PathLike) or (isinstance(name, str) and (
                 name.startswith("hf://") or os.path.isdir(name))):
-            from dcmha.checkpoints import from_official_directory
-            return from_official_directory(name, **overrides)
+            return checkpoints.from_official_directory(name, **overrides)
         if name not in PRESETS:
             raise ValueError(f"Unknown preset {name!r}. Available: {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
