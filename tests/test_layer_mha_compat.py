@@ -533,3 +533,159 @@ def test_attention_axes_errors():
             "A decoding `cache` needs inputs of rank 3 (B, L, D). Received: "
             "query.shape=(2, 3, 4, 8)")):
         layer(x, x, cache={}, cache_update_index=0)
+
+
+# ---------------------------------------------------------------------------
+# The override point: `_compute_attention`, as on MultiHeadAttention
+# ---------------------------------------------------------------------------
+
+class _RecordingCore(DCMHA):
+    """Overrides the core with MultiHeadAttention's previous signature (no
+    `use_causal_mask`) and runs DCMHA's own core through `super()`."""
+
+    seen = []
+
+    def _compute_attention(self, query, key, value, attention_mask=None, training=None,
+                           return_attention_scores=False):
+        type(self).seen.append(attention_mask)
+        return super()._compute_attention(query, key, value, attention_mask, training,
+                                          return_attention_scores)
+
+
+class _PlainSoftmaxCore(DCMHA):
+    """Replaces the core with plain softmax attention on keras.ops (GQA by repetition)."""
+
+    def _compute_attention(self, query, key, value, attention_mask=None, training=None,
+                           return_attention_scores=False):
+        rep = query.shape[2] // key.shape[2]
+        key, value = (ops.repeat(x, rep, axis=2) for x in (key, value))
+        scores = ops.einsum("btnd,bsnd->bnts", query, key) / np.sqrt(query.shape[-1])
+        if attention_mask is not None:
+            mask = attention_mask if len(attention_mask.shape) == 4 else attention_mask[:, None]
+            scores = ops.where(mask, scores, -1e9)
+        probs = ops.softmax(scores, axis=-1)
+        return ops.einsum("bnts,bsnd->btnd", probs, value), probs
+
+
+def _same_weights(layer, like, x):
+    layer(x, x)
+    layer.set_weights(like.get_weights())
+    return layer
+
+
+def test_subclass_core_sees_the_causal_mask():
+    """Keras's test_causal_only_skipped_for_subclass: an override receives the causal
+    mask (and the window) folded into `attention_mask`, never None; through `super()`
+    it computes DCMHA's composed output."""
+    rng = np.random.default_rng(3)
+    x = f32(rng, 2, 5, 8)
+    options = dict(num_heads=2, key_dim=4, sliding_window=3, seed=1)
+    base = DCMHA(**options)
+    want = np_(base(x, x, use_causal_mask=True))
+    _RecordingCore.seen = []
+    sub = _same_weights(_RecordingCore(**options), base, x)
+    _RecordingCore.seen = []
+    got = np_(sub(x, x, use_causal_mask=True))
+    (mask,) = _RecordingCore.seen
+    t, s = np.arange(5)[:, None], np.arange(5)[None, :]
+    assert_mask = np.broadcast_to((s <= t) & (t - s < 3), (1, 5, 5))
+    np.testing.assert_array_equal(np_(mask), assert_mask)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+@pytest.mark.parametrize("return_attention_scores", [False, True])
+def test_compute_attention_combines_causal_and_explicit_mask(return_attention_scores):
+    """Keras's test of the same name: called directly with `use_causal_mask=True` and an
+    explicit mask, `_compute_attention` applies both, and gives MultiHeadAttention's
+    result on the same projected heads."""
+    t = 5
+    layer = DCMHA(num_heads=2, key_dim=4, **OFF)
+    layer.build((1, t, 8), (1, t, 8))
+    mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    mha.build((1, t, 8), (1, t, 8))
+    rng = np.random.RandomState(0)
+    query, key, value = (rng.randn(1, t, 2, 4).astype("float32") for _ in range(3))
+    extra = np.ones((1, t, t), dtype="bool")
+    extra[:, 3, 1] = False
+    merged = extra & np.tril(np.ones((t, t), dtype="bool"))[None]
+    both, scores = layer._compute_attention(query, key, value, attention_mask=extra,
+                                            use_causal_mask=True,
+                                            return_attention_scores=return_attention_scores)
+    only, _ = layer._compute_attention(query, key, value, attention_mask=merged,
+                                       return_attention_scores=return_attention_scores)
+    want, want_scores = mha._compute_attention(query, key, value, attention_mask=merged,
+                                               return_attention_scores=True)
+    np.testing.assert_allclose(np_(both), np_(only), **TOL)
+    np.testing.assert_allclose(np_(both), np_(want), **TOL)
+    if return_attention_scores:
+        np.testing.assert_allclose(np_(scores), np_(want_scores), **TOL)
+
+
+def test_causal_with_other_mask_equals_the_merged_mask():
+    """Keras's test_causal_only_with_other_mask_falls_back on DCMHA (composition on)."""
+    layer = DCMHA(num_heads=2, key_dim=4, seed=2)
+    x = np.random.RandomState(0).randn(2, 5, 8).astype("float32")
+    extra = np.ones((2, 5, 5), dtype="bool")
+    extra[:, 2, 3] = False
+    merged = extra & np.tril(np.ones((5, 5), dtype="bool"))
+    out1 = layer(x, x, attention_mask=extra, use_causal_mask=True)
+    out2 = layer(x, x, attention_mask=merged, use_causal_mask=False)
+    assert tuple(out1.shape) == (2, 5, 8)
+    np.testing.assert_allclose(np_(out1), np_(out2), **TOL)
+
+
+def test_subclass_core_keeps_projections_masks_and_cache():
+    """A replaced core gets DCMHA's projections (GQA heads, QK-norm, RoPE), masks and
+    decoding cache: plain softmax attention as the core of a composition-off layer gives
+    the layer's own output, in one call and by prefill + cached steps."""
+    rng = np.random.default_rng(5)
+    B, T, D = 2, 6, 16
+    x = f32(rng, B, T, D)
+    options = dict(num_heads=4, key_dim=4, num_key_value_heads=2, qk_norm=True,
+                   rope_max_wavelength=100, seed=4, **OFF)
+    base = DCMHA(**options)
+    want = np_(base(x, x, use_causal_mask=True))
+    sub = _same_weights(_PlainSoftmaxCore(**options), base, x)
+    np.testing.assert_allclose(np_(sub(x, x, use_causal_mask=True)), want, **TOL)
+    cache = sub.init_cache(B, T)
+    y, cache = sub(x[:, :4], x[:, :4], use_causal_mask=True, cache=cache,
+                   cache_update_index=0)
+    steps = [np_(y)]
+    for i in (4, 5):
+        y, cache = sub(x[:, i:i + 1], x[:, i:i + 1], use_causal_mask=True, cache=cache,
+                       cache_update_index=i)
+        steps.append(np_(y))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), want, **TOL)
+    y, scores = sub(x, x, return_attention_scores=True)
+    assert tuple(scores.shape) == (B, 4, T, T)
+
+
+def test_subclass_core_refusals():
+    rng = np.random.default_rng(6)
+    x = f32(rng, 1, 3, 8)
+    layer = DCMHA(num_heads=2, key_dim=4, name="dyn")
+    layer(x, x)
+    q = f32(rng, 1, 3, 2, 4)
+    with pytest.raises(ValueError, match=re.escape(
+            "`_compute_attention` was called outside `call` on DCMHA layer 'dyn', whose "
+            "composition needs dynamic weights computed from the unprojected inputs, which "
+            "only `call` has.")):
+        layer._compute_attention(q, q, q)
+    sub = _PlainSoftmaxCore(num_heads=2, key_dim=4)
+    with pytest.raises(ValueError, match=re.escape(
+            "_PlainSoftmaxCore overrides `_compute_attention`, so the intermediates of "
+            "DCMHA's own core are not computed.")):
+        sub.compute_intermediates(x, x)
+
+
+def test_direct_core_call_with_static_composition():
+    """Without dynamic weights (static mixes only) a direct call composes like `call`."""
+    rng = np.random.default_rng(8)
+    x = f32(rng, 1, 4, 8)
+    layer = DCMHA(num_heads=4, key_dim=2, query_wise=False, key_wise=False,
+                  static_compose=True, seed=3)
+    layer(x, x)
+    parts = layer.compute_intermediates(x, x)
+    o, scores = layer._compute_attention(parts["q"], parts["k"], parts["v"],
+                                         return_attention_scores=True)
+    np.testing.assert_allclose(np_(scores), np_(parts["attention_scores"]), **TOL)
