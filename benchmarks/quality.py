@@ -1,0 +1,634 @@
+"""Does DCMHA make better models? Paired, multi-seed training runs and their statistics.
+
+Every run trains one ``DCFormerLM`` with the loop a Keras user writes (``compile`` and
+``fit``, the optimizer named on the command line) on a byte-level corpus. A seed sets
+both the initial weights and the data order, and models that differ only in their
+attention share the initial values of every weight they have in common (embedding,
+q/k/v/output kernels, norms, SwiGLU, output head), so two variants at one seed see the
+same batches from the same start: their difference is paired.
+
+One command per table; runs are stored one JSON file each under ``OUTPUT/runs`` and
+reused by every table that needs them, so an interrupted study resumes where it
+stopped (and two processes can share the work: a run being trained is locked)::
+
+    python benchmarks/quality.py main         # Transformer++ vs DCFormer++, --seeds (5)
+    python benchmarks/quality.py ablation     # the paper's ten variants, 3 seeds
+    python benchmarks/quality.py multiplier   # Transformer++ at 1, 1.5, 2, 3x the steps
+    python benchmarks/quality.py lr           # learning rates x both models
+    python benchmarks/quality.py heads        # head dimension at a fixed width
+    python benchmarks/quality.py length       # 1x and 2x the steps, both models
+    python benchmarks/quality.py gradients    # fast path against ops in a real run
+    python benchmarks/quality.py speed        # time per training step, alternating
+    python benchmarks/quality.py report       # every table from the stored runs
+
+``--report-only`` prints a table from what is stored without training. Each table
+writes ``OUTPUT/<table>.json``, ``.md`` and ``.png`` (loss against steps, mean and
+the band of one standard deviation over seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+
+#: name: (label, DCFormerLM options).
+VARIANTS = {
+    "mha": ("Transformer++ (MHA)", dict(attention="mha")),
+    "dcmha": ("DCFormer++ (DCMHA, rank 2)", dict()),
+    "talking_heads": ("Talking-Heads (static only)",
+                      dict(static_compose=True, dynamic_projection=False, dynamic_gating=False)),
+    "pre_only": ("pre-compose only", dict(post_compose=False)),
+    "post_only": ("post-compose only", dict(pre_compose=False)),
+    "query_wise_only": ("query-wise only", dict(key_wise=False)),
+    "key_wise_only": ("key-wise only", dict(query_wise=False)),
+    "projection_only": ("dynamic projection only", dict(dynamic_gating=False)),
+    "gating_only": ("dynamic gating only", dict(dynamic_projection=False)),
+    "rank1": ("DCFormer++ rank 1", dict(rank=1)),
+}
+#: The paper's 405M ablation perplexities (Transformer++ 11.68), for the ablation table.
+PAPER_405M_PPL = dict(mha=11.68, dcmha=10.83, pre_only=11.54, post_only=11.05,
+                      query_wise_only=10.89, key_wise_only=10.91, projection_only=10.95,
+                      gating_only=11.31, rank1=10.87)
+TABLES = ("main", "ablation", "multiplier", "lr", "heads", "length", "gradients", "speed")
+MULTIPLIERS = (1.0, 1.5, 2.0, 3.0)
+
+#: Stored in every run's key: a change to any of these is a different run.
+RUN_FIELDS = ("variant", "seed", "steps", "corpus", "layers", "hidden_dim", "heads",
+              "seq_len", "batch_size", "window", "optimizer", "learning_rate",
+              "weight_decay", "clipnorm", "global_clipnorm", "beta_2", "warmup",
+              "implementation", "backend")
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+def _floats(text):
+    return [float(v) for v in str(text).split(",") if v.strip()]
+
+
+def _ints(text):
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if "-" in part:
+            lo, hi = part.split("-")
+            out.extend(range(int(lo), int(hi) + 1))
+        elif part:
+            out.append(int(part))
+    return out
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("table", choices=TABLES + ("report",))
+    p.add_argument("--seeds", default=None,
+                   help="e.g. 0-4 or 0,2 (default: 5 for main/multiplier, else 3; 2 for lr)")
+    p.add_argument("--steps", type=int, default=300, help="the 1x step budget")
+    p.add_argument("--corpus", choices=("english", "stdlib"), default="english",
+                   help="english: the Python documentation's topics (pydoc_data); stdlib: "
+                        "the standard library's sources (the demo's corpus)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden-dim", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--window", type=int, default=32, help="local layers' window (LG pattern)")
+    p.add_argument("--optimizer", default="adamw", help="a keras.optimizers name: adamw, "
+                   "adam, lion, sgd, ...")
+    p.add_argument("--learning-rate", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clipnorm", type=float, default=None, help="per-variable clipping")
+    p.add_argument("--global-clipnorm", type=float, default=1.0)
+    p.add_argument("--beta-2", type=float, default=0.999)
+    p.add_argument("--warmup", type=float, default=0.1, help="warmup fraction (then cosine "
+                   "to 0.1x)")
+    p.add_argument("--implementation", default="auto", help="DCMHA's implementation")
+    p.add_argument("--variants", default=None, help="override the table's variants")
+    p.add_argument("--learning-rates", default="1e-3,3e-3,6e-3", help="lr table")
+    p.add_argument("--head-counts", default="8,4,2", help="heads table (same width)")
+    p.add_argument("--eval-points", type=int, default=6)
+    p.add_argument("--val-windows", type=int, default=256)
+    p.add_argument("--output", default="benchmarks/out/quality")
+    p.add_argument("--backend", choices=("jax", "torch", "tensorflow"), default=None)
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--repeats", type=int, default=7, help="speed: alternations")
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_args(argv)
+
+
+def base_config(args):
+    return dict(variant="mha", seed=0, steps=args.steps, corpus=args.corpus,
+                layers=args.layers, hidden_dim=args.hidden_dim, heads=args.heads,
+                seq_len=args.seq_len, batch_size=args.batch_size, window=args.window,
+                optimizer=args.optimizer, learning_rate=args.learning_rate,
+                weight_decay=args.weight_decay, clipnorm=args.clipnorm,
+                global_clipnorm=args.global_clipnorm, beta_2=args.beta_2, warmup=args.warmup,
+                implementation=args.implementation, backend=args.backend or _backend_name())
+
+
+def _backend_name():
+    return os.environ.get("KERAS_BACKEND", "jax")
+
+
+def table_runs(args, table):
+    """The run configurations of one table: a list of (group label, config)."""
+    base = base_config(args)
+    default_seeds = {"main": "0-4", "multiplier": "0-4", "lr": "0-1"}.get(table, "0-2")
+    seeds = _ints(args.seeds or default_seeds)
+    names = (args.variants.split(",") if args.variants else
+             list(VARIANTS) if table == "ablation" else ["mha", "dcmha"])
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    runs = []
+
+    def add(group, **over):
+        for seed in seeds:
+            for name in names if "variant" not in over else [over["variant"]]:
+                runs.append((group, dict(base, **dict(over, variant=over.get("variant", name),
+                                                      seed=seed))))
+
+    if table in ("main", "ablation"):
+        add(f"{args.steps} steps")
+    elif table == "multiplier":
+        add("dcmha 1x", variant="dcmha")
+        for k in MULTIPLIERS:
+            add(f"mha {k:g}x", variant="mha", steps=int(round(k * args.steps)))
+    elif table == "lr":
+        for lr in _floats(args.learning_rates):
+            add(f"lr {lr:g}", learning_rate=lr)
+    elif table == "heads":
+        for h in _ints(args.head_counts):
+            add(f"{h} heads of {args.hidden_dim // h}", heads=h)
+    elif table == "length":
+        for k in (1, 2):
+            add(f"{k * args.steps} steps", steps=k * args.steps)
+    elif table == "gradients":
+        for impl in ("ops", args.implementation if args.implementation != "ops" else "auto"):
+            add(f"implementation={impl}", variant="dcmha", implementation=impl)
+    return runs
+
+
+# ---------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------
+
+def load_corpus(name):
+    """(train, validation) int32 byte arrays: 90% / 10% of the corpus, in file order."""
+    import numpy as np
+
+    if name == "stdlib":
+        from dcmha import demo
+        train, val, _ = demo.load_corpus()
+        return train, val
+    import pydoc_data.topics as topics
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics)).encode("utf-8")
+    data = np.frombuffer(text, dtype=np.uint8).astype("int32")
+    split = int(len(data) * 0.9)
+    return data[:split], data[split:]
+
+
+def training_windows(train, count, seq_len, seed):
+    """(x, y) (count, seq_len): windows at seeded random starts and their next bytes."""
+    import numpy as np
+
+    starts = np.random.default_rng(seed).integers(0, len(train) - seq_len - 1, size=count)
+    w = np.stack([train[s:s + seq_len + 1] for s in starts])
+    return w[:, :-1], w[:, 1:]
+
+
+def validation_windows(val, count, seq_len):
+    import numpy as np
+
+    starts = np.linspace(0, len(val) - seq_len - 1, count).astype(int)
+    w = np.stack([val[s:s + seq_len + 1] for s in starts])
+    return w[:, :-1], w[:, 1:]
+
+
+# ---------------------------------------------------------------------------
+# One run
+# ---------------------------------------------------------------------------
+
+def run_key(cfg):
+    digest = hashlib.sha1(json.dumps([cfg[k] for k in RUN_FIELDS]).encode()).hexdigest()[:10]
+    return f"{cfg['variant']}-s{cfg['seed']}-n{cfg['steps']}-{digest}"
+
+
+def build_model(cfg):
+    """The DCFormerLM of one run, seeded so that variants share their common weights."""
+    import keras
+
+    from dcmha.models import DCFormerLM
+
+    seed = cfg["seed"]
+    keras.utils.set_random_seed(seed)
+    options = dict(VARIANTS[cfg["variant"]][1])
+    if options.get("attention") != "mha":
+        options["implementation"] = cfg["implementation"]
+    window = cfg["window"] if cfg["window"] and cfg["window"] < cfg["seq_len"] else None
+    return DCFormerLM(vocab_size=256, num_layers=cfg["layers"], hidden_dim=cfg["hidden_dim"],
+                      num_heads=cfg["heads"], sliding_window=window, window_pattern="LG",
+                      rope_max_wavelength=10000, seed=seed,
+                      kernel_initializer=keras.initializers.GlorotUniform(seed),
+                      name=cfg["variant"], **options)
+
+
+def make_optimizer(cfg):
+    """The optimizer named by ``cfg['optimizer']`` with warmup and cosine decay to 0.1x."""
+    import inspect
+
+    import keras
+
+    steps = cfg["steps"]
+    warmup = max(1, int(round(cfg["warmup"] * steps)))
+    schedule = keras.optimizers.schedules.CosineDecay(
+        0.0, decay_steps=max(1, steps - warmup), warmup_target=cfg["learning_rate"],
+        warmup_steps=warmup, alpha=0.1)
+    cls = type(keras.optimizers.get(cfg["optimizer"]))
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = dict(learning_rate=schedule, clipnorm=cfg["clipnorm"],
+                  global_clipnorm=cfg["global_clipnorm"])
+    if "weight_decay" in accepted:
+        kwargs["weight_decay"] = cfg["weight_decay"]
+    if "beta_2" in accepted:
+        kwargs["beta_2"] = cfg["beta_2"]
+    return cls(**kwargs)
+
+
+def train_run(cfg, corpus, verbose=0):
+    """Train one configuration; returns its record (losses per evaluation point, times)."""
+    import keras
+    import numpy as np
+
+    train, val = corpus
+    steps, bs = cfg["steps"], cfg["batch_size"]
+    x, y = training_windows(train, steps * bs, cfg["seq_len"], cfg["seed"])
+    xv, yv = validation_windows(val, VAL_WINDOWS[0], cfg["seq_len"])
+    keras.backend.clear_session()
+    model = build_model(cfg)
+    jit = False if keras.backend.backend() == "tensorflow" else "auto"
+    model.compile(optimizer=make_optimizer(cfg),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=jit)
+    model.build((None, None))
+    initial_val = float(model.evaluate(xv, yv, batch_size=64, verbose=0))
+    rounds = max(1, min(EVAL_POINTS[0], steps))
+    bounds = np.linspace(0, steps, rounds + 1).astype(int)
+    rec = dict(config=cfg, key=run_key(cfg), parameters=int(model.count_params()),
+               steps=[0], val_loss=[initial_val], train_loss=[], round_seconds=[],
+               round_steps=[])
+    start = time.perf_counter()
+    for r in range(rounds):
+        lo, hi = bounds[r] * bs, bounds[r + 1] * bs
+        if hi <= lo:
+            continue
+        t0 = time.perf_counter()
+        hist = model.fit(x[lo:hi], y[lo:hi], batch_size=bs, epochs=r + 1, initial_epoch=r,
+                         shuffle=False, validation_data=(xv, yv), verbose=verbose)
+        rec["round_seconds"].append(time.perf_counter() - t0)
+        rec["round_steps"].append(int(bounds[r + 1] - bounds[r]))
+        rec["steps"].append(int(bounds[r + 1]))
+        rec["train_loss"].append(float(hist.history["loss"][-1]))
+        rec["val_loss"].append(float(hist.history["val_loss"][-1]))
+    rec["seconds"] = time.perf_counter() - start
+    later = [s / n for s, n in zip(rec["round_seconds"][1:], rec["round_steps"][1:])]
+    rec["seconds_per_step"] = float(np.median(later)) if later else None
+    rec["final_val_loss"] = rec["val_loss"][-1]
+    rec["keras"] = keras.__version__
+    return rec, model
+
+
+#: Set from the command line (module-level so that train_run's signature stays small).
+VAL_WINDOWS = [256]
+EVAL_POINTS = [6]
+
+
+@contextlib.contextmanager
+def claimed(path):
+    """Hold ``path + '.lock'`` while training: another process skips the run (a lock left
+    by a process that no longer exists is taken over)."""
+    lock = path + ".lock"
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            with open(lock) as fh:
+                pid = int(fh.read().strip() or 0)
+            os.kill(pid, 0)
+            yield False
+            return
+        except (ValueError, ProcessLookupError, FileNotFoundError):
+            os.replace(lock, lock + ".stale")
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    try:
+        yield True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(lock)
+
+
+def ensure_runs(runs, args, train=True):
+    """The stored record of every run (training the missing ones when ``train``)."""
+    run_dir = os.path.join(args.output, "runs")
+    os.makedirs(run_dir, exist_ok=True)
+    corpus = None
+    records = {}
+    for i, (_, cfg) in enumerate(runs):
+        key = run_key(cfg)
+        path = os.path.join(run_dir, key + ".json")
+        if not os.path.exists(path) and train:
+            with claimed(path) as mine:
+                if mine and not os.path.exists(path):
+                    if corpus is None:
+                        corpus = load_corpus(cfg["corpus"])
+                    print(f"[{i + 1}/{len(runs)}] training {key}", flush=True)
+                    rec, _ = train_run(cfg, corpus, verbose=0 if args.quiet else 2)
+                    tmp = path + ".tmp"
+                    with open(tmp, "w") as fh:
+                        json.dump(rec, fh, indent=1)
+                    os.replace(tmp, path)          # never half-written
+                    print(f"    val loss {rec['final_val_loss']:.4f} in {rec['seconds']:.0f} s",
+                          flush=True)
+        if os.path.exists(path):
+            with open(path) as fh:
+                records[key] = json.load(fh)
+    return records
+
+
+# ---------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------
+
+def mean_sd_ci(values, level=0.95):
+    """(mean, sample sd, half-width of the t confidence interval) of ``values``."""
+    import numpy as np
+    from scipy import stats
+
+    v = np.asarray(values, dtype=float)
+    n = len(v)
+    if n == 0:
+        return float("nan"), float("nan"), float("nan")
+    if n == 1:
+        return float(v[0]), float("nan"), float("nan")
+    sd = float(v.std(ddof=1))
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n))
+    return float(v.mean()), sd, half
+
+
+def paired_summary(records_by_group):
+    """Per group and variant: final loss mean ± sd, the paired difference to MHA at the
+    same seed (mean, 95% CI, wins k/S), seconds per step."""
+    import numpy as np
+
+    rows = []
+    for group, recs in records_by_group.items():
+        mha = {r["config"]["seed"]: r["final_val_loss"] for r in recs
+               if r["config"]["variant"] == "mha"}
+        for variant in dict.fromkeys(r["config"]["variant"] for r in recs):
+            mine = [r for r in recs if r["config"]["variant"] == variant]
+            losses = [r["final_val_loss"] for r in mine]
+            m, sd, _ = mean_sd_ci(losses)
+            diffs = [r["final_val_loss"] - mha[r["config"]["seed"]] for r in mine
+                     if r["config"]["seed"] in mha]
+            dm, dsd, dci = mean_sd_ci(diffs) if variant != "mha" else (None, None, None)
+            sps = [r["seconds_per_step"] for r in mine if r.get("seconds_per_step")]
+            rows.append(dict(group=group, variant=variant, label=VARIANTS[variant][0],
+                             seeds=sorted(r["config"]["seed"] for r in mine),
+                             loss_mean=m, loss_sd=sd, diff_mean=dm, diff_sd=dsd,
+                             diff_ci95=dci,
+                             wins=None if variant == "mha" else int(sum(d < 0 for d in diffs)),
+                             paired=len(diffs),
+                             seconds_per_step=float(np.median(sps)) if sps else None,
+                             parameters=mine[0]["parameters"]))
+    return rows
+
+
+def multiplier_summary(records_by_group, steps):
+    """Per seed: the step multiple k at which Transformer++'s final loss (interpolated
+    linearly in k between the measured budgets) equals DCFormer++'s at 1x."""
+    per_seed = {}
+    for group, recs in records_by_group.items():
+        for r in recs:
+            cfg = r["config"]
+            entry = per_seed.setdefault(cfg["seed"], {"mha": {}})
+            if cfg["variant"] == "dcmha":
+                entry["dcmha"] = r["final_val_loss"]
+            else:
+                entry["mha"][cfg["steps"] / steps] = r["final_val_loss"]
+    ks, notes = [], []
+    for seed, e in sorted(per_seed.items()):
+        if "dcmha" not in e or len(e["mha"]) < 2:
+            continue
+        pts = sorted(e["mha"].items())
+        target = e["dcmha"]
+        k = None
+        if target >= pts[0][1]:
+            # DCFormer++ at 1x is no better than Transformer++ at the smallest budget.
+            k, note = pts[0][0], "<="
+        elif target <= pts[-1][1]:
+            k, note = pts[-1][0], ">="
+        else:
+            note = "="
+            for (k0, l0), (k1, l1) in zip(pts, pts[1:]):
+                if l1 <= target <= l0 or l0 <= target <= l1:
+                    k = k0 + (k1 - k0) * ((l0 - target) / (l0 - l1) if l0 != l1 else 0.0)
+                    break
+        ks.append(k)
+        notes.append(dict(seed=seed, k=k, bound=note, dcmha=target,
+                          mha={f"{a:g}": b for a, b in pts}))
+    m, sd, ci = mean_sd_ci(ks)
+    return dict(k_mean=m, k_sd=sd, k_ci95=ci, per_seed=notes,
+                censored=sum(n["bound"] != "=" for n in notes))
+
+
+# ---------------------------------------------------------------------------
+# Reports
+# ---------------------------------------------------------------------------
+
+def _fmt(v, spec="+.4f"):
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def render_paired(rows, table):
+    head = (f"| group | variant | seeds | val loss (mean ± sd) | Δ vs MHA (paired) | 95% CI "
+            f"| wins | s/step |{' paper 405M ppl |' if table == 'ablation' else ''}")
+    sep = "|---" * (9 if table == "ablation" else 8) + "|"
+    lines = [head, sep]
+    for r in rows:
+        ci = ("" if r["diff_ci95"] is None or math.isnan(r["diff_ci95"]) else
+              f"[{r['diff_mean'] - r['diff_ci95']:+.4f}, {r['diff_mean'] + r['diff_ci95']:+.4f}]")
+        wins = "" if r["wins"] is None else f"{r['wins']}/{r['paired']}"
+        sps = _fmt(r["seconds_per_step"], ".3f")
+        line = (f"| {r['group']} | {r['label']} | {len(r['seeds'])} | {r['loss_mean']:.4f} ± "
+                f"{_fmt(r['loss_sd'], '.4f')} | {_fmt(r['diff_mean'])} | {ci} | {wins} | {sps} |")
+        if table == "ablation":
+            line += f" {_fmt(PAPER_405M_PPL.get(r['variant']), '.2f')} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot(records_by_group, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    i = 0
+    for group, recs in records_by_group.items():
+        for variant in dict.fromkeys(r["config"]["variant"] for r in recs):
+            mine = [r for r in recs if r["config"]["variant"] == variant]
+            curves = np.array([r["val_loss"] for r in mine if len(r["val_loss"]) ==
+                               len(mine[0]["val_loss"])])
+            steps = mine[0]["steps"]
+            m, s = curves.mean(0), curves.std(0)
+            label = f"{variant} ({group}, {len(curves)} seeds)"
+            ax.plot(steps[1:], m[1:], "-o", ms=3, color=f"C{i % 10}", label=label)
+            ax.fill_between(steps[1:], (m - s)[1:], (m + s)[1:], color=f"C{i % 10}", alpha=0.2)
+            i += 1
+    ax.set_xlabel("training step")
+    ax.set_ylabel("validation loss (nats / byte)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def conditions(args, records):
+    any_rec = next(iter(records.values()), None)
+    cfg = dict(base_config(args))
+    for k in ("variant", "seed"):
+        cfg.pop(k)
+    return dict(config=cfg, keras=any_rec and any_rec.get("keras"),
+                command="python benchmarks/quality.py " + " ".join(sys.argv[1:]))
+
+
+def report(args, table, records):
+    runs = table_runs(args, table)
+    by_group = {}
+    for group, cfg in runs:
+        rec = records.get(run_key(cfg))
+        if rec is not None:
+            by_group.setdefault(group, []).append(rec)
+    out = dict(table=table, conditions=conditions(args, records),
+               runs=[run_key(c) for _, c in runs],
+               missing=[run_key(c) for _, c in runs if run_key(c) not in records])
+    if table == "multiplier":
+        out["multiplier"] = multiplier_summary(by_group, args.steps)
+        rows = paired_summary({"final": [r for rs in by_group.values() for r in rs
+                                         if r["config"]["steps"] == args.steps]})
+        out["rows"] = rows
+        mm = out["multiplier"]
+        text = render_paired(rows, table) + (
+            f"\n\nDCFormer++ at {args.steps} steps ≈ Transformer++ at k·{args.steps} steps, "
+            f"k = {_fmt(mm['k_mean'], '.2f')} ± {_fmt(mm['k_ci95'], '.2f')} (95% CI over "
+            f"{len(mm['per_seed'])} seeds; {mm['censored']} seed(s) outside the measured "
+            f"range {MULTIPLIERS[0]:g}-{MULTIPLIERS[-1]:g}x, counted at the edge)")
+    elif table == "gradients":
+        out["rows"] = gradient_rows(by_group)
+        text = "\n".join(f"{k}: {v}" for k, v in out["rows"].items())
+    else:
+        out["rows"] = paired_summary(by_group)
+        text = render_paired(out["rows"], table)
+    text += f"\n\ncommand: {out['conditions']['command']}\nconditions: {out['conditions']['config']}"
+    if out["missing"]:
+        text += f"\nmissing runs: {len(out['missing'])} of {len(runs)}"
+    os.makedirs(args.output, exist_ok=True)
+    with open(os.path.join(args.output, f"{table}.json"), "w") as fh:
+        json.dump(out, fh, indent=1)
+    with open(os.path.join(args.output, f"{table}.md"), "w") as fh:
+        fh.write(text + "\n")
+    if by_group and table != "gradients":
+        plot(by_group, os.path.join(args.output, f"{table}.png"),
+             f"{table}: {args.layers}x{args.hidden_dim}, T={args.seq_len}, {args.corpus}")
+    print(text)
+    return out
+
+
+def gradient_rows(by_group):
+    """ops against the fast path, seed by seed: the largest difference of the loss curves."""
+    groups = list(by_group.values())
+    if len(groups) != 2:
+        return {"note": "needs both implementations"}
+    a = {r["config"]["seed"]: r for r in groups[0]}
+    b = {r["config"]["seed"]: r for r in groups[1]}
+    diffs = [max(abs(x - y) for x, y in zip(a[s]["val_loss"], b[s]["val_loss"]))
+             for s in sorted(set(a) & set(b))]
+    return dict(groups=list(by_group), seeds=sorted(set(a) & set(b)),
+                max_val_loss_difference=max(diffs) if diffs else None)
+
+
+# ---------------------------------------------------------------------------
+# Speed: time per training step, models alternating in one process
+# ---------------------------------------------------------------------------
+
+def speed(args):
+    import keras
+    import numpy as np
+
+    base = base_config(args)
+    names = args.variants.split(",") if args.variants else ["mha", "dcmha"]
+    corpus = load_corpus(args.corpus)
+    chunk = 20
+    x, y = training_windows(corpus[0], chunk * args.batch_size, args.seq_len, 0)
+    models = {}
+    for n in names:
+        cfg = dict(base, variant=n)
+        m = build_model(cfg)
+        m.compile(optimizer=make_optimizer(cfg),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False if keras.backend.backend() == "tensorflow" else "auto")
+        m.fit(x, y, batch_size=args.batch_size, verbose=0)      # compile and warm up
+        models[n] = m
+    times = {n: [] for n in names}
+    for _ in range(args.repeats):
+        for n in names:
+            t0 = time.perf_counter()
+            models[n].fit(x, y, batch_size=args.batch_size, verbose=0)
+            times[n].append((time.perf_counter() - t0) / chunk)
+    med = {n: float(np.median(t)) for n, t in times.items()}
+    spread = {n: [float(min(t)), float(max(t))] for n, t in times.items()}
+    out = dict(table="speed", conditions=conditions(args, {}), seconds_per_step=med,
+               range=spread, ratio_to_mha={n: med[n] / med["mha"] for n in names}
+               if "mha" in med else {})
+    os.makedirs(args.output, exist_ok=True)
+    with open(os.path.join(args.output, "speed.json"), "w") as fh:
+        json.dump(out, fh, indent=1)
+    for n in names:
+        print(f"{n}: {med[n] * 1e3:.1f} ms/step (range {spread[n][0] * 1e3:.1f}-"
+              f"{spread[n][1] * 1e3:.1f}), x{out['ratio_to_mha'].get(n, float('nan')):.2f} "
+              f"of mha")
+    return out
+
+
+def main(argv=None):
+    args = parse(argv)
+    if args.backend:
+        os.environ["KERAS_BACKEND"] = args.backend     # before Keras is imported
+    VAL_WINDOWS[0], EVAL_POINTS[0] = args.val_windows, args.eval_points
+    if args.table == "speed":
+        speed(args)
+        return 0
+    tables = [t for t in TABLES if t != "speed"] if args.table == "report" else [args.table]
+    train = not args.report_only and args.table != "report"
+    for table in tables:
+        runs = table_runs(args, table)
+        records = ensure_runs(runs, args, train=train)
+        if records:
+            report(args, table, records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Smoke test of the quality study tool (benchmarks/quality.py): a few steps, two seeds.
+
+It checks the report's fields, that paired runs start from the same values of every weight
+they share, that a stored run is reused instead of trained again, and the statistics
+against independent computations. The study itself is never run here.
+"""
+
+import importlib.util
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+if keras.backend.backend() != "jax":
+    pytest.skip("the study tool is smoke-tested once, on the jax backend",
+                allow_module_level=True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def quality():
+    spec = importlib.util.spec_from_file_location(
+        "quality", os.path.join(ROOT, "benchmarks", "quality.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TINY = ["--steps", "4", "--layers", "1", "--hidden-dim", "16", "--heads", "2",
+        "--seq-len", "8", "--window", "4", "--eval-points", "2", "--val-windows", "8",
+        "--quiet"]
+
+
+def test_main_table_report_fields_and_resume(quality, tmp_path, monkeypatch):
+    out = str(tmp_path / "q")
+    assert quality.main(["main", "--seeds", "0-1", "--output", out] + TINY) == 0
+    with open(os.path.join(out, "main.json")) as fh:
+        report = json.load(fh)
+    assert report["missing"] == []
+    assert len(report["runs"]) == 4                       # 2 variants x 2 seeds
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert set(rows) == {"mha", "dcmha"}
+    for r in rows.values():
+        assert r["seeds"] == [0, 1]
+        assert math.isfinite(r["loss_mean"]) and math.isfinite(r["loss_sd"])
+        assert r["seconds_per_step"] > 0
+    dc = rows["dcmha"]
+    assert dc["paired"] == 2 and 0 <= dc["wins"] <= 2
+    assert math.isfinite(dc["diff_mean"]) and dc["diff_ci95"] > 0
+    # The paired difference is the mean of per-seed differences of the stored runs.
+    runs = {}
+    for key in report["runs"]:
+        with open(os.path.join(out, "runs", key + ".json")) as fh:
+            rec = json.load(fh)
+        runs[(rec["config"]["variant"], rec["config"]["seed"])] = rec
+        assert rec["steps"] == [0, 2, 4] and len(rec["val_loss"]) == 3
+    diffs = [runs[("dcmha", s)]["final_val_loss"] - runs[("mha", s)]["final_val_loss"]
+             for s in (0, 1)]
+    np.testing.assert_allclose(dc["diff_mean"], np.mean(diffs), rtol=1e-12)
+    assert os.path.exists(os.path.join(out, "main.png"))
+    assert os.path.exists(os.path.join(out, "main.md"))
+
+    # Resumable: every run is stored, so a second call trains nothing.
+    def refuse(*a, **k):
+        raise AssertionError("a stored run was trained again")
+
+    monkeypatch.setattr(quality, "train_run", refuse)
+    assert quality.main(["main", "--seeds", "0-1", "--output", out] + TINY) == 0
+
+
+def _config(quality, **over):
+    args = quality.parse(["main"] + TINY)
+    return dict(quality.base_config(args), **over)
+
+
+def test_paired_models_share_initial_weights(quality):
+    def weights(variant, seed):
+        model = quality.build_model(_config(quality, variant=variant, seed=seed))
+        model.build((None, None))
+        # Paths start with the model's name (the variant): compare what follows it.
+        return {v.path.split("/", 1)[1]: keras.ops.convert_to_numpy(v) for v in model.weights}
+
+    mha, dc = weights("mha", 3), weights("dcmha", 3)
+    shared = sorted(set(mha) & set(dc))
+    assert len(shared) == len(mha)                # every MHA weight exists in DCMHA
+    assert len(dc) > len(mha)                     # plus the composition weights
+    for path in shared:
+        np.testing.assert_array_equal(mha[path], dc[path], err_msg=path)
+    other = weights("mha", 4)
+    assert any(not np.array_equal(mha[p], other[p]) for p in shared)
+
+
+def test_confidence_interval_matches_scipy(quality):
+    from scipy import stats
+
+    values = np.random.default_rng(0).normal(size=5)
+    mean, sd, half = quality.mean_sd_ci(values)
+    lo, hi = stats.t.interval(0.95, len(values) - 1, loc=values.mean(),
+                              scale=stats.sem(values))
+    np.testing.assert_allclose([mean - half, mean + half], [lo, hi], rtol=1e-10)
+    np.testing.assert_allclose(sd, np.std(values, ddof=1), rtol=1e-12)
+
+
+def test_multiplier_interpolates_between_budgets(quality):
+    # Transformer++'s loss falls linearly in k; DCFormer++ at 1x equals it at k_true.
+    def loss(k):
+        return 2.0 - 0.1 * k
+
+    def rec(variant, seed, k):
+        return dict(config=dict(variant=variant, seed=seed, steps=int(100 * k)),
+                    final_val_loss=loss(k))
+
+    k_true = {0: 1.7, 1: 2.4, 2: 0.5}
+    groups = {"dcmha 1x": [dict(rec("dcmha", s, k), config=dict(variant="dcmha", seed=s,
+                                                                  steps=100))
+                           for s, k in k_true.items()],
+              "mha": [rec("mha", s, k) for s in k_true for k in quality.MULTIPLIERS]}
+    out = quality.multiplier_summary(groups, 100)
+    got = {e["seed"]: (e["k"], e["bound"]) for e in out["per_seed"]}
+    np.testing.assert_allclose(got[0][0], k_true[0], rtol=1e-9)
+    np.testing.assert_allclose(got[1][0], k_true[1], rtol=1e-9)
+    # Below the smallest measured budget: counted at the edge and marked as censored.
+    assert got[2] == (quality.MULTIPLIERS[0], "<=")
+    assert out["censored"] == 1
