@@ -21,6 +21,7 @@ class Projections(BodyState):
     compose slot (``dynamic``), in spec.reference's order."""
 
     def gelu(self, x):
+        """The dynamic weights' GELU of x (tanh form or exact, as the configuration says)."""
         e = self.e
         if self.cfg.gelu_approximate:
             # 0.5 x (1 + tanh(u)) == x / (1 + exp(-2u)): onnxruntime's Exp is accurate to
@@ -66,6 +67,7 @@ class Projections(BodyState):
                     e.i64(cfg.N, cfg.N_kv), domain=DOMAIN, outputs=2)
 
     def project(self, x, kernel, bias, D, H, hd):
+        """x (B, L, D) projected to H heads of hd: (B, L, H, hd)."""
         e = self.e
         y = e.op("MatMul", x, e.reshape(kernel, D, H * hd))
         if bias is not None:

@@ -10,14 +10,15 @@ node and fuse it, any other runtime inlines its plain-op body. The body follows
     set to 0 (all in float32, whatever the dtype, as in the Keras layer) ->
     P.V -> output projection.
 
-Written for onnxruntime's CPU provider (benchmarks/RESULTS.md, "onnxruntime on the exported graph"): one MatMul
-for every projection of a self-attention input; each compose one ``dcmha.Compose*``
-node (a local function with a plain-op body, which onnxruntime runs as the compiled
-compose kernel when ``dcmha.export.ort_ops`` is registered; ``compose_nodes=False``
-writes the composes as plain ops: one batched MatMul per side with its factors made
-once per call); masks as an added bias and a 0/1 multiplier. A causal or windowed call without (B, N, T, S) outputs runs its
-queries in chunks (an ONNX Loop, SPEC.md "Query chunking"), each on the keys it
-can see; a decode step reads only the cache positions written so far. With kernel nodes
+Written for onnxruntime's CPU provider (benchmarks/RESULTS.md, "onnxruntime on the
+exported graph"): one MatMul for every projection of a self-attention input; each compose
+one ``dcmha.Compose*`` node (a local function with a plain-op body, which onnxruntime runs
+as the compiled compose kernel when ``dcmha.export.ort_ops`` is registered;
+``compose_nodes=False`` writes the composes as plain ops: one batched MatMul per side with
+its factors made once per call); masks as an added bias and a 0/1 multiplier. A causal or
+windowed call without (B, N, T, S) outputs runs its queries in chunks (an ONNX Loop,
+SPEC.md "Query chunking"), each on the keys it can see; a decode step reads only the cache
+positions written so far. With kernel nodes
 (``compose_nodes=True``) the other hot spots are local functions of the same kind too
 (``KERNEL_OPS``): a block's compose, biased softmax and compose (``Probs*``), a stage's
 per-query matrix (``QueryMatrix*``), RoPE (``Rope*``, ``RopeHeads*``) and a decode step's
