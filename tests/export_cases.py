@@ -29,14 +29,13 @@ def close(got, want, rel):
     assert err <= bound, f"max abs error {err:.3g} > {bound:.3g}"
 
 
-#: The configurations of the catalogue (spec ``Config`` keyword arguments).
-CATALOGUE_CONFIGS = {
+#: Layer configurations (spec ``Config`` keyword arguments) that the export tests share.
+CONFIGS = {
     "dcmha": dict(num_heads=4, key_dim=4),
     "mha": dict(num_heads=4, key_dim=4, pre_compose=False, post_compose=False),
     "all_switches": dict(num_heads=4, key_dim=4, num_groups=2, num_key_value_heads=2, value_dim=3,
                          static_compose=True, qk_norm=True, rope_max_wavelength=50.0, use_bias=True,
                          sliding_window=3, dynamic_hidden_dim=5),
-    "rope_gqa": dict(num_heads=4, key_dim=4, num_key_value_heads=2, rope_max_wavelength=50.0),
     "talking_heads": dict(num_heads=4, key_dim=4, static_compose=True, dynamic_projection=False,
                           dynamic_gating=False),
     "gating_only_post": dict(num_heads=4, key_dim=4, dynamic_projection=False, pre_compose=False),
@@ -44,10 +43,17 @@ CATALOGUE_CONFIGS = {
                                      query_wise=False, rank=1),
     "query_wise_pre_exact_gelu": dict(num_heads=4, key_dim=4, key_wise=False, post_compose=False,
                                       gelu_approximate=False),
-    "gqa_mqa_window_chunk": dict(num_heads=4, key_dim=4, num_key_value_heads=1, sliding_window=2,
-                                 query_chunk_size=3),
-    "cross": dict(num_heads=4, key_dim=4, cross_attention=True, num_key_value_heads=2),
+    "gqa_mqa_window": dict(num_heads=4, key_dim=4, num_key_value_heads=1, sliding_window=2),
 }
+
+#: The configurations of the catalogue: ``CONFIGS`` and a few more.
+CATALOGUE_CONFIGS = dict(
+    CONFIGS,
+    rope_gqa=dict(num_heads=4, key_dim=4, num_key_value_heads=2, rope_max_wavelength=50.0),
+    window_chunk=dict(num_heads=4, key_dim=4, num_key_value_heads=1, sliding_window=2,
+                      query_chunk_size=3),
+    cross=dict(num_heads=4, key_dim=4, cross_attention=True, num_key_value_heads=2),
+)
 
 #: The calls of the catalogue (``CallSpec`` keyword arguments).
 CATALOGUE_CALLS = {
@@ -89,28 +95,47 @@ def core_graphs(export_core):
     return out
 
 
-def keras_graphs(keras_export):
-    """{case name: ModelProto or the refusal's message} of ``keras_export`` (the module
-    ``dcmha.export.keras_export``) on a DCMHA layer and a small functional language model."""
+def rich_layer(width=8):
+    """A built self-attention DCMHA layer with every switch on, input width ``width``."""
+    from dcmha.layers import DCMHA
+
+    layer = DCMHA(4, 4, num_groups=2, qk_norm=True, rope_max_wavelength=100.0, use_bias=True,
+                  sliding_window=3, static_compose=True, num_key_value_heads=2)
+    # build() rather than an eager call: on jax the first eager call compiles op by op
+    layer.build((None, None, width), (None, None, width))
+    return layer
+
+
+def functional_lm(vocab=20, width=8):
+    """A small functional language model: Embedding, two blocks of RMSNormalization, causal
+    DCMHA (one windowed), LayerNormalization, a GELU Dense pair (with Dropout and a
+    keras.ops add), and a Dense head."""
     import keras
 
     from dcmha.layers import DCMHA
 
-    keras.utils.set_random_seed(0)
-    layer = DCMHA(4, 4, num_groups=2, qk_norm=True, rope_max_wavelength=100.0, use_bias=True,
-                  sliding_window=3, static_compose=True, num_key_value_heads=2)
-    layer.build((None, None, 8), (None, None, 8))
     ids = keras.Input((None,), dtype="int32", name="tokens")
-    h = keras.layers.Embedding(20, 8, name="embed")(ids)
+    h = keras.layers.Embedding(vocab, width, name="embed")(ids)
     for i, window in enumerate([3, None]):
         a = keras.layers.RMSNormalization(name=f"attention_norm_{i}")(h)
         a = DCMHA(4, 4, rope_max_wavelength=100.0, sliding_window=window, name=f"attention_{i}")(
             a, a, use_causal_mask=True)
         h = keras.layers.Add(name=f"residual_{i}")([h, a])
         f = keras.layers.LayerNormalization(name=f"ffn_norm_{i}")(h)
-        f = keras.layers.Dense(16, activation="gelu", name=f"up_{i}")(f)
-        h = h + keras.layers.Dense(8, name=f"down_{i}")(keras.layers.Dropout(0.1)(f))
-    lm = keras.Model(ids, keras.layers.Dense(20, name="logits")(h), name="lm")
+        f = keras.layers.Dense(2 * width, activation="gelu", name=f"up_{i}")(f)
+        f = keras.layers.Dropout(0.1)(f)
+        h = h + keras.layers.Dense(width, name=f"down_{i}")(f)      # a keras.ops node
+    return keras.Model(ids, keras.layers.Dense(vocab, name="logits")(h), name="lm")
+
+
+def keras_graphs(keras_export):
+    """{case name: ModelProto or the refusal's message} of ``keras_export`` (the module
+    ``dcmha.export.keras_export``) on a DCMHA layer and a small functional language model."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    layer = rich_layer()
+    lm = functional_lm()
     out = {}
     for dtype, decode, nodes in itertools.product(("float32", "float16"), (False, True),
                                                   (True, False)):

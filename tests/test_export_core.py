@@ -7,27 +7,10 @@ import onnx
 import pytest
 
 from dcmha.export import core
-from export_cases import close
+from export_cases import CONFIGS, close
 from dcmha.spec import reference as ref
 
 D, B, T = 8, 2, 5
-
-CONFIGS = {
-    "dcmha": dict(num_heads=4, key_dim=4),
-    "mha": dict(num_heads=4, key_dim=4, pre_compose=False, post_compose=False),
-    "all_switches": dict(num_heads=4, key_dim=4, num_groups=2, num_key_value_heads=2, value_dim=3,
-                         static_compose=True, qk_norm=True, rope_max_wavelength=50.0, use_bias=True,
-                         sliding_window=3, dynamic_hidden_dim=5),
-    "talking_heads": dict(num_heads=4, key_dim=4, static_compose=True, dynamic_projection=False,
-                          dynamic_gating=False),
-    "gating_only_post": dict(num_heads=4, key_dim=4, dynamic_projection=False, pre_compose=False),
-    "projection_only_key_wise": dict(num_heads=6, key_dim=2, num_groups=3, dynamic_gating=False,
-                                     query_wise=False, rank=1),
-    "query_wise_pre_exact_gelu": dict(num_heads=4, key_dim=4, key_wise=False, post_compose=False,
-                                      gelu_approximate=False),
-    "gqa_mqa_window": dict(num_heads=4, key_dim=4, num_key_value_heads=1, sliding_window=2),
-}
-
 
 def _params(cfg, D_q=D, D_kv=D, D_out=7, seed=0):
     # scale > 1 takes composition far from the identity, so a wrong term shows

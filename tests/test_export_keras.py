@@ -12,6 +12,7 @@ pytest.importorskip("onnxruntime")
 
 from dcmha.export import core, to_onnx, verify  # noqa: E402
 from dcmha.layers import DCMHA  # noqa: E402
+from export_cases import functional_lm, rich_layer  # noqa: E402
 
 B, T, D = 2, 6, 8
 
@@ -30,8 +31,7 @@ def _built(layer, query_width=D, value_width=None):
 def rich():
     """One self-attention layer with every switch on, shared by the tests (layers are slow to build)."""
     keras.utils.set_random_seed(0)
-    return _built(DCMHA(4, 4, num_groups=2, qk_norm=True, rope_max_wavelength=100.0, use_bias=True,
-                        sliding_window=3, static_compose=True, num_key_value_heads=2))
+    return rich_layer(D)
 
 
 @pytest.fixture(scope="module")
@@ -103,25 +103,10 @@ def test_layer_decode(tmp_path, rich):
     assert verify(path, layer, x, cache_length=T + 3)["max_rel"] < 1e-5
 
 
-def _functional_lm(vocab=20, width=D):
-    ids = keras.Input((None,), dtype="int32", name="tokens")
-    h = keras.layers.Embedding(vocab, width, name="embed")(ids)
-    for i, window in enumerate([3, None]):
-        a = keras.layers.RMSNormalization(name=f"attention_norm_{i}")(h)
-        a = DCMHA(4, 4, rope_max_wavelength=100.0, sliding_window=window, name=f"attention_{i}")(
-            a, a, use_causal_mask=True)
-        h = keras.layers.Add(name=f"residual_{i}")([h, a])
-        f = keras.layers.LayerNormalization(name=f"ffn_norm_{i}")(h)
-        f = keras.layers.Dense(2 * width, activation="gelu", name=f"up_{i}")(f)
-        f = keras.layers.Dropout(0.1)(f)
-        h = h + keras.layers.Dense(width, name=f"down_{i}")(f)      # a keras.ops node
-    return keras.Model(ids, keras.layers.Dense(vocab, name="logits")(h), name="lm")
-
-
 @pytest.fixture(scope="module")
 def lm():
     keras.utils.set_random_seed(2)
-    return _functional_lm()
+    return functional_lm()
 
 
 def test_functional_model_forward_and_decode(tmp_path, lm):
