@@ -56,7 +56,8 @@ from typing import Dict, Optional, Tuple
 
 import keras
 
-__all__ = ["layout_map", "model_parallel", "sharding_plan", "partition_problem", "partitioned"]
+__all__ = ["layout_map", "model_parallel", "sharding_plan", "multi_host_mesh", "gathered_weights",
+           "partition_problem", "partitioned"]
 
 #: Canonical DCMHA variable names and which of their axes holds heads (N or
 #: N_kv) or groups (G). None: never sharded.
@@ -342,3 +343,45 @@ def partitioned(call, attention):
                                   term_specs(call.post), mask_spec),
                         out_specs=(heads, extras_spec), check_vma=False)
     return run(call.q, k, v, call.pre, call.post, mask)
+
+
+# ---------------------------------------------------------------------------
+# Meshes that span processes (JAX multi-process)
+# ---------------------------------------------------------------------------
+
+def multi_host_mesh(model_size=None):
+    """A ``keras.distribution.DeviceMesh`` of shape (data, model) over every process's
+    devices: ``model`` within a process (heads and groups are exchanged at the speed of
+    one machine), ``data`` across processes (only the gradients' reduction crosses them).
+
+    Args:
+        model_size: devices per model replica, a divisor of each process's device count;
+            None: all of a process's devices.
+
+    Call ``keras.distribution.initialize`` first. Rows of the mesh are consecutive
+    devices of one process, ordered by process index.
+    """
+    import jax
+
+    local = jax.local_device_count()
+    model_size = local if model_size is None else model_size
+    _positive_int("model_size", model_size)
+    if local % model_size:
+        raise ValueError(f"`model_size` must divide the {local} devices of each process. "
+                         f"Received: model_size={model_size}")
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return keras.distribution.DeviceMesh((len(devices) // model_size, model_size),
+                                         ("data", "model"), devices)
+
+
+def gathered_weights(model):
+    """The model's weights as NumPy arrays, whole on every process (``model.weights``
+    order): sharded JAX arrays are assembled with ``process_allgather``, a collective that
+    every process must call; other backends' values are converted as they are."""
+    if keras.backend.backend() != "jax":
+        return [keras.ops.convert_to_numpy(v.value) for v in model.weights]
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return [np.asarray(multihost_utils.process_allgather(v.value, tiled=True))
+            for v in model.weights]
