@@ -33,6 +33,7 @@ from dcmha.layers import DCMHA, readable_value
 __all__ = [
     "RMSNorm", "SwiGLU", "DCFormerBlock", "DCFormerLM", "PRESETS",
     "official_intermediate_size", "default_intermediate_dim", "count_parameters",
+    "resolve_config", "decoder_blocks", "fresh_initializer", "serialize_arguments",
 ]
 
 _register = keras.saving.register_keras_serializable(package="dcmha")
@@ -63,7 +64,7 @@ def default_intermediate_dim(hidden_dim: int) -> int:
     return official_intermediate_size(hidden_dim, 256 if hidden_dim >= 512 else 32)
 
 
-def _fresh_initializer(initializer, offset=0):
+def fresh_initializer(initializer, offset=0):
     """A new instance of `initializer`; a seeded one gets seed + offset, because
     one seeded initializer used twice gives two identical tensors."""
     config = keras.initializers.serialize(keras.initializers.get(initializer))
@@ -115,10 +116,11 @@ def _register_torch_onnx_rms_norm():
     torch.onnx.register_custom_op_symbolic("aten::rms_norm", rms_norm, 1)
 
 
-def _serialize(value):
-    if isinstance(value, (str, int, float, bool, type(None), list, tuple, dict)):
-        return value
-    return keras.saving.serialize_keras_object(value)
+def serialize_arguments(arguments):
+    """``arguments`` ({name: value}) for a ``get_config``: plain values as they are, Keras
+    objects (initializers, ...) serialised."""
+    return {k: v if isinstance(v, (str, int, float, bool, type(None), list, tuple, dict))
+            else keras.saving.serialize_keras_object(v) for k, v in arguments.items()}
 
 
 # ---------------------------------------------------------------------------
@@ -150,7 +152,7 @@ class SwiGLU(keras.layers.Layer):
         def dense(units, name, shape, offset):
             layer = keras.layers.Dense(
                 units, use_bias=False, name=name, dtype=self.dtype_policy,
-                kernel_initializer=_fresh_initializer(self.kernel_initializer, offset))
+                kernel_initializer=fresh_initializer(self.kernel_initializer, offset))
             layer.build(shape)
             return layer
 
@@ -230,7 +232,7 @@ class DCFormerBlock(keras.layers.Layer):
         self.attention.build(input_shape, input_shape)
         self.ffn_norm = RMSNorm(epsilon=self.norm_eps, name="ffn_norm", **kw)
         self.ffn_norm.build(input_shape)
-        self.feed_forward = SwiGLU(intermediate, kernel_initializer=_fresh_initializer(
+        self.feed_forward = SwiGLU(intermediate, kernel_initializer=fresh_initializer(
             self.kernel_initializer), name="feed_forward", **kw)
         self.feed_forward.build(input_shape)
 
@@ -252,8 +254,7 @@ class DCFormerBlock(keras.layers.Layer):
         return {**super().get_config(), "num_heads": self.num_heads, "key_dim": self.key_dim,
                 "intermediate_dim": self.intermediate_dim, "norm_eps": self.norm_eps,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
-                "attention_options": {k: _serialize(v)
-                                      for k, v in self.attention_options.items()}}
+                "attention_options": serialize_arguments(self.attention_options)}
 
 
 # ---------------------------------------------------------------------------
@@ -285,7 +286,7 @@ def _attention_param_count(D, N, N_kv, d, d_v, opts):
 def count_parameters(**config) -> int:
     """Parameter count of `DCFormerLM(**config)` without building it (any size)."""
     config = {k: v for k, v in config.items() if k not in ("name", "dtype", "trainable")}
-    spec = DCFormerLM._resolve(**config)
+    spec = resolve_config(**config)
     V, L, D = spec["vocab_size"], spec["num_layers"], spec["hidden_dim"]
     total = V * D + D + (0 if spec["tie_embeddings"] else V * D)
     for i in range(L):
@@ -295,6 +296,85 @@ def count_parameters(**config) -> int:
                                       opts)
         total += attn + 2 * D + 3 * D * spec["intermediate_dim"]
     return total
+
+
+def resolve_config(vocab_size, num_layers, hidden_dim, num_heads, intermediate_dim=None,
+             num_key_value_heads=None, num_groups=1, head_dim=None, sliding_window=None,
+             window_pattern="LG", qk_norm=False, rope_max_wavelength=10000, norm_eps=1e-6,
+             tie_embeddings=False, attention="dcmha", kernel_initializer=None,
+             **dcmha_options):
+    """Validate `DCFormerLM`'s arguments; return the derived sizes and the per-layer DCMHA
+    options: {"vocab_size", "num_layers", "hidden_dim", "num_heads", "head_dim",
+    "intermediate_dim", "tie_embeddings", "layer_options"}, where ``layer_options(i)`` is
+    the ``attention_options`` of block i. `DCFormerLM` and `dcmha.hub.DCFormerBackbone`
+    build their blocks from it (``decoder_blocks``)."""
+    for name, value in (("vocab_size", vocab_size), ("num_layers", num_layers),
+                        ("hidden_dim", hidden_dim), ("num_heads", num_heads),
+                        ("num_groups", num_groups)):
+        _check_positive_int(name, value)
+    for name, value in (("intermediate_dim", intermediate_dim), ("head_dim", head_dim),
+                        ("num_key_value_heads", num_key_value_heads),
+                        ("sliding_window", sliding_window)):
+        _check_positive_int(name, value, allow_none=True)
+    if head_dim is None and hidden_dim % num_heads:
+        raise ValueError("`hidden_dim` must be divisible by `num_heads` when `head_dim` is "
+                         f"None. Received: hidden_dim={hidden_dim}, num_heads={num_heads}")
+    if (not isinstance(window_pattern, str) or not window_pattern
+            or set(window_pattern) - {"L", "G"}):
+        raise ValueError("`window_pattern` must be a non-empty string of 'L' (local) and "
+                         f"'G' (global). Received: window_pattern={window_pattern!r}")
+    if attention not in ("dcmha", "mha"):
+        raise ValueError(f"`attention` must be 'dcmha' or 'mha'. Received: "
+                         f"attention={attention!r}")
+    if rope_max_wavelength is not None and not rope_max_wavelength > 0:
+        raise ValueError("`rope_max_wavelength` must be None or positive. Received: "
+                         f"rope_max_wavelength={rope_max_wavelength!r}")
+    owned = sorted(set(dcmha_options) & set(_MODEL_OWNED))
+    if owned:
+        raise ValueError(f"{owned} are set by DCFormerLM itself and cannot be passed as "
+                         "DCMHA options (use hidden_dim, num_heads, head_dim, ...).")
+    accepted = set(inspect.signature(DCMHA.__init__).parameters) - {"self", "kwargs"}
+    unknown = sorted(set(dcmha_options) - accepted)
+    if unknown:
+        raise ValueError(f"Unknown DCFormerLM arguments: {unknown}. Accepted DCMHA options: "
+                         f"{sorted(accepted - set(_MODEL_OWNED))}")
+    options = dict(dcmha_options)
+    if attention == "mha":
+        on = [k for k in ("pre_compose", "post_compose") if options.get(k)]
+        if on:
+            raise ValueError(f"attention='mha' switches composition off; it cannot be "
+                             f"combined with {on}=True.")
+        options.update(pre_compose=False, post_compose=False)
+    d = head_dim or hidden_dim // num_heads
+    intermediate = intermediate_dim or default_intermediate_dim(hidden_dim)
+
+    def layer_options(i):
+        local = sliding_window is not None and window_pattern[i % len(window_pattern)] == "L"
+        out = dict(options, num_groups=num_groups, qk_norm=bool(qk_norm),
+                   rope_max_wavelength=rope_max_wavelength,
+                   sliding_window=sliding_window if local else None)
+        if options.get("seed") is not None:
+            # One seed per layer: equal seeds would give every layer equal weights.
+            out["seed"] = int(options["seed"]) + 1000 * i
+        if num_key_value_heads is not None:
+            out["num_key_value_heads"] = num_key_value_heads
+        return out
+
+    return dict(vocab_size=int(vocab_size), num_layers=int(num_layers),
+                hidden_dim=int(hidden_dim), num_heads=int(num_heads), head_dim=int(d),
+                intermediate_dim=int(intermediate), tie_embeddings=bool(tie_embeddings),
+                layer_options=layer_options)
+
+
+def decoder_blocks(config, *, kernel_initializer, norm_eps, dtype=None):
+    """The `DCFormerBlock`s "layers_<i>" of a resolved configuration (``resolve_config``),
+    block i's SwiGLU kernels from a fresh copy of ``kernel_initializer`` (seed + 10 i)."""
+    return [DCFormerBlock(config["num_heads"], key_dim=config["head_dim"],
+                          intermediate_dim=config["intermediate_dim"], norm_eps=float(norm_eps),
+                          kernel_initializer=fresh_initializer(kernel_initializer, 10 * i),
+                          attention_options=config["layer_options"](i), name=f"layers_{i}",
+                          dtype=dtype)
+            for i in range(config["num_layers"])]
 
 
 @_register
@@ -356,7 +436,7 @@ class DCFormerLM(keras.Model):
         base = {k: dcmha_options.pop(k) for k in ("name", "dtype", "trainable")
                 if k in dcmha_options}
         super().__init__(**base)
-        spec = self._resolve(
+        spec = resolve_config(
             vocab_size=vocab_size, num_layers=num_layers, hidden_dim=hidden_dim,
             num_heads=num_heads, intermediate_dim=intermediate_dim,
             num_key_value_heads=num_key_value_heads, num_groups=num_groups, head_dim=head_dim,
@@ -384,84 +464,16 @@ class DCFormerLM(keras.Model):
         kw = dict(dtype=self.dtype_policy)
         self.tok_embeddings = keras.layers.Embedding(
             self.vocab_size, self.hidden_dim, name="tok_embeddings", **kw)
-        self.blocks = [
-            DCFormerBlock(self.num_heads, key_dim=spec["head_dim"],
-                          intermediate_dim=spec["intermediate_dim"], norm_eps=self.norm_eps,
-                          kernel_initializer=self._initializer(10 * i),
-                          attention_options=spec["layer_options"](i), name=f"layers_{i}", **kw)
-            for i in range(self.num_layers)]
+        self.blocks = decoder_blocks(spec, kernel_initializer=self.kernel_initializer,
+                                     norm_eps=self.norm_eps, dtype=self.dtype_policy)
         self.norm = RMSNorm(epsilon=self.norm_eps, name="norm", **kw)
         self.output_projection = None if self.tie_embeddings else keras.layers.Dense(
             self.vocab_size, use_bias=False, kernel_initializer=self._initializer(7),
             name="output", **kw)
 
     # ---- configuration -------------------------------------------------
-    @staticmethod
-    def _resolve(vocab_size, num_layers, hidden_dim, num_heads, intermediate_dim=None,
-                 num_key_value_heads=None, num_groups=1, head_dim=None, sliding_window=None,
-                 window_pattern="LG", qk_norm=False, rope_max_wavelength=10000, norm_eps=1e-6,
-                 tie_embeddings=False, attention="dcmha", kernel_initializer=None,
-                 **dcmha_options):
-        """Validate the arguments; return derived sizes and per-layer DCMHA options."""
-        for name, value in (("vocab_size", vocab_size), ("num_layers", num_layers),
-                            ("hidden_dim", hidden_dim), ("num_heads", num_heads),
-                            ("num_groups", num_groups)):
-            _check_positive_int(name, value)
-        for name, value in (("intermediate_dim", intermediate_dim), ("head_dim", head_dim),
-                            ("num_key_value_heads", num_key_value_heads),
-                            ("sliding_window", sliding_window)):
-            _check_positive_int(name, value, allow_none=True)
-        if head_dim is None and hidden_dim % num_heads:
-            raise ValueError("`hidden_dim` must be divisible by `num_heads` when `head_dim` is "
-                             f"None. Received: hidden_dim={hidden_dim}, num_heads={num_heads}")
-        if (not isinstance(window_pattern, str) or not window_pattern
-                or set(window_pattern) - {"L", "G"}):
-            raise ValueError("`window_pattern` must be a non-empty string of 'L' (local) and "
-                             f"'G' (global). Received: window_pattern={window_pattern!r}")
-        if attention not in ("dcmha", "mha"):
-            raise ValueError(f"`attention` must be 'dcmha' or 'mha'. Received: "
-                             f"attention={attention!r}")
-        if rope_max_wavelength is not None and not rope_max_wavelength > 0:
-            raise ValueError("`rope_max_wavelength` must be None or positive. Received: "
-                             f"rope_max_wavelength={rope_max_wavelength!r}")
-        owned = sorted(set(dcmha_options) & set(_MODEL_OWNED))
-        if owned:
-            raise ValueError(f"{owned} are set by DCFormerLM itself and cannot be passed as "
-                             "DCMHA options (use hidden_dim, num_heads, head_dim, ...).")
-        accepted = set(inspect.signature(DCMHA.__init__).parameters) - {"self", "kwargs"}
-        unknown = sorted(set(dcmha_options) - accepted)
-        if unknown:
-            raise ValueError(f"Unknown DCFormerLM arguments: {unknown}. Accepted DCMHA options: "
-                             f"{sorted(accepted - set(_MODEL_OWNED))}")
-        options = dict(dcmha_options)
-        if attention == "mha":
-            on = [k for k in ("pre_compose", "post_compose") if options.get(k)]
-            if on:
-                raise ValueError(f"attention='mha' switches composition off; it cannot be "
-                                 f"combined with {on}=True.")
-            options.update(pre_compose=False, post_compose=False)
-        d = head_dim or hidden_dim // num_heads
-        intermediate = intermediate_dim or default_intermediate_dim(hidden_dim)
-
-        def layer_options(i):
-            local = sliding_window is not None and window_pattern[i % len(window_pattern)] == "L"
-            out = dict(options, num_groups=num_groups, qk_norm=bool(qk_norm),
-                       rope_max_wavelength=rope_max_wavelength,
-                       sliding_window=sliding_window if local else None)
-            if options.get("seed") is not None:
-                # One seed per layer: equal seeds would give every layer equal weights.
-                out["seed"] = int(options["seed"]) + 1000 * i
-            if num_key_value_heads is not None:
-                out["num_key_value_heads"] = num_key_value_heads
-            return out
-
-        return dict(vocab_size=int(vocab_size), num_layers=int(num_layers),
-                    hidden_dim=int(hidden_dim), num_heads=int(num_heads), head_dim=int(d),
-                    intermediate_dim=int(intermediate), tie_embeddings=bool(tie_embeddings),
-                    layer_options=layer_options)
-
     def _initializer(self, offset=0):
-        return _fresh_initializer(self.kernel_initializer, offset)
+        return fresh_initializer(self.kernel_initializer, offset)
 
     def layer_sliding_windows(self):
         """The sliding window of each layer (None = global), e.g. [64, None, 64, None]."""
@@ -518,7 +530,7 @@ class DCFormerLM(keras.Model):
                 "norm_eps": self.norm_eps, "tie_embeddings": self.tie_embeddings,
                 "attention": self.attention,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
-                **{k: _serialize(v) for k, v in self.dcmha_options.items()}}
+                **serialize_arguments(self.dcmha_options)}
 
     @classmethod
     def from_config(cls, config):

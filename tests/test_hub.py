@@ -175,3 +175,25 @@ def test_readme_example(release_dir, tmp_path):
     dcmha.export.to_onnx(lm, str(tmp_path / "lm.onnx"))
     report = dcmha.export.verify(str(tmp_path / "lm.onnx"), lm, {"token_ids": IDS["token_ids"]})
     assert report["max_rel"] < 1e-5, report
+
+
+def test_from_preset_takes_preprocessor_and_backbone(release_dir, tmp_path):
+    """`preprocessor=` (None included) and `backbone=` replace the preset's, as on
+    keras-hub's own tasks, for a release-layout directory and a keras-hub preset."""
+    lm = DCFormerCausalLM.from_preset(release_dir, preprocessor=None)
+    assert lm.preprocessor is None
+    want = _np(lm(IDS))
+    lm.save_to_preset(str(tmp_path / "preset"))
+    for preset in (release_dir, str(tmp_path / "preset")):
+        bare = DCFormerCausalLM.from_preset(preset, preprocessor=None)
+        assert bare.preprocessor is None
+        np.testing.assert_array_equal(_np(bare(IDS)), want)
+        backbone = DCFormerBackbone.from_preset(release_dir, load_weights=False)
+        mine = DCFormerCausalLM.from_preset(preset, backbone=backbone)
+        assert mine.backbone is backbone
+    preprocessor = DCFormerCausalLMPreprocessor.from_preset(release_dir, sequence_length=9)
+    lm = DCFormerCausalLM.from_preset(release_dir, preprocessor=preprocessor)
+    assert lm.preprocessor is preprocessor
+    with pytest.raises(ValueError, match=r"\['query_chunk_size'\] override the preset's "
+                                         r"backbone, which the given `backbone` replaces"):
+        DCFormerCausalLM.from_preset(release_dir, backbone=backbone, query_chunk_size=4)

@@ -4,11 +4,12 @@ import types
 
 import keras
 from keras import ops
-from keras_hub.src.layers.modeling.reversible_embedding import ReversibleEmbedding
-from keras_hub.src.models.backbone import Backbone
+from keras_hub.layers import ReversibleEmbedding
+from keras_hub.models import Backbone
 
 from dcmha.hub._release import release_dir
-from dcmha.models import DCFormerBlock, DCFormerLM, RMSNorm, _fresh_initializer, _serialize
+from dcmha.models import (DCFormerLM, RMSNorm, decoder_blocks, resolve_config,
+                          serialize_arguments)
 
 
 @keras.saving.register_keras_serializable(package="dcmha")
@@ -47,20 +48,15 @@ class DCFormerBackbone(Backbone):
             rope_max_wavelength=rope_max_wavelength, norm_eps=norm_eps,
             tie_embeddings=tie_embeddings, attention=attention, **kwargs)
         # The same validation and per-layer attention options as DCFormerLM.
-        spec = DCFormerLM._resolve(**arguments)
-        initializer = keras.initializers.get(kernel_initializer)
+        spec = resolve_config(**arguments)
 
         # === Layers (DCFormerLM's, keras-hub names) ===
         self.token_embedding = ReversibleEmbedding(
             spec["vocab_size"], spec["hidden_dim"], tie_weights=bool(tie_embeddings),
             name="token_embedding", dtype=dtype)
-        self.transformer_layers = [
-            DCFormerBlock(spec["num_heads"], key_dim=spec["head_dim"],
-                          intermediate_dim=spec["intermediate_dim"], norm_eps=float(norm_eps),
-                          kernel_initializer=_fresh_initializer(initializer, 10 * i),
-                          attention_options=spec["layer_options"](i), name=f"layers_{i}",
-                          dtype=dtype)
-            for i in range(spec["num_layers"])]
+        self.transformer_layers = decoder_blocks(
+            spec, kernel_initializer=keras.initializers.get(kernel_initializer),
+            norm_eps=norm_eps, dtype=dtype)
         self.layer_norm = RMSNorm(epsilon=float(norm_eps), name="norm", dtype=dtype)
 
         # === Functional model ===
@@ -83,7 +79,7 @@ class DCFormerBackbone(Backbone):
 
     def get_config(self):
         config = super().get_config()
-        config.update({k: _serialize(v) for k, v in self.arguments.items()})
+        config.update(serialize_arguments(self.arguments))
         config["kernel_initializer"] = keras.initializers.serialize(
             keras.initializers.get(self.arguments["kernel_initializer"]))
         return config

@@ -4,7 +4,7 @@ import os
 
 import keras
 from keras import ops
-from keras_hub.src.models.causal_lm import CausalLM
+from keras_hub.models import CausalLM
 from keras_hub.src.utils.tensor_utils import any_equal
 
 from dcmha.hub._release import release_dir
@@ -103,13 +103,32 @@ class DCFormerCausalLM(CausalLM):
 
     @classmethod
     def from_preset(cls, preset, load_weights=True, **kwargs):
+        """A keras-hub preset (``save_to_preset``), a release-layout directory or an
+        ``hf://owner/name`` handle, as keras-hub's tasks load them: ``backbone=`` and
+        ``preprocessor=`` (None included) replace the ones the preset would give.
+
+        For a release-layout directory the other keyword arguments are DCFormerLM /
+        DCMHA overrides of the backbone (``dtype``, ``query_chunk_size``, ...), and
+        ``sequence_length`` goes to the preprocessor made from its tokenizer.json (none
+        without one)."""
         directory = release_dir(preset)
         if directory is None:
             return super().from_preset(preset, load_weights=load_weights, **kwargs)
+        task = {k: kwargs.pop(k) for k in ("backbone", "preprocessor") if k in kwargs}
         sequence_length = kwargs.pop("sequence_length", None)
-        backbone = cls.backbone_cls.from_preset(directory, load_weights=load_weights, **kwargs)
-        preprocessor = None
-        if os.path.isfile(os.path.join(directory, "tokenizer.json")):
-            extra = {} if sequence_length is None else {"sequence_length": sequence_length}
-            preprocessor = cls.preprocessor_cls.from_preset(directory, **extra)
-        return cls(backbone=backbone, preprocessor=preprocessor)
+        if "backbone" in task and kwargs:
+            raise ValueError(f"{sorted(kwargs)} override the preset's backbone, which the given "
+                             "`backbone` replaces: pass them to the backbone instead.")
+        if "preprocessor" in task and sequence_length is not None:
+            raise ValueError("`sequence_length` sets the preset's preprocessor, which the given "
+                             f"`preprocessor` replaces. Received: sequence_length="
+                             f"{sequence_length!r}, preprocessor={task['preprocessor']!r}")
+        if "backbone" not in task:
+            task["backbone"] = cls.backbone_cls.from_preset(directory, load_weights=load_weights,
+                                                            **kwargs)
+        if "preprocessor" not in task:
+            task["preprocessor"] = None
+            if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+                extra = {} if sequence_length is None else {"sequence_length": sequence_length}
+                task["preprocessor"] = cls.preprocessor_cls.from_preset(directory, **extra)
+        return cls(**task)
