@@ -519,29 +519,15 @@ class DCMHA(keras.layers.Layer):
             ``return_attention_scores``); False runs the plain ``"ops"`` core.
         cross_attention: separate dynamic projections for the query input
             (query_*) and the key input (key_*), which may differ in width.
-        implementation: the attention core. "ops": plain keras.ops, every
-            backend, every option. The fused fast paths, each on one Keras
-            backend: "triton" (torch; CUDA tensors, or CPU tensors with
-            TRITON_INTERPRET=1 set before Triton is imported), "torch"
-            (torch), "torch_decode" (torch; one-query calls, i.e. decoding
-            steps, in plain PyTorch ops; other calls run "ops"), "pallas" (jax; compiled on a GPU, interpreted
-            elsewhere), "jax_cpu" (jax on CPU) and "tf_cpu" (tensorflow on
-            CPU, outside XLA clusters), whose composes run in a C kernel
-            compiled on first use, "xla" (tensorflow; no decoding offset with
-            the causal mask or a window). No fast path does training dropout
-            or intermediates. A fast path named here must be able to run the
-            call, or the call raises a ValueError saying why. "auto" (the
-            default) takes, per call, the first fast path of the active
-            backend that can run the call and is preferred for it, else
-            "ops" (then choosing a query chunk size for speed when
-            ``query_chunk_size`` is None): on torch "triton" for CUDA
-            tensors with Triton installed, then on CPU "torch_decode" for
-            one-query calls and "torch" when its rule prefers it; on jax "pallas" on a GPU with a static query offset,
-            then "jax_cpu" on CPU for T * S >= 8192; on tensorflow "tf_cpu"
-            on CPU for T * S >= 8192 (eager or in a ``tf.function``), then
-            "xla" inside a traced ``tf.function`` (eager calls take "ops": a
-            per-shape XLA compile costs more than one call saves). See
-            ``dcmha.ops.select_implementation``.
+        implementation: the attention core: "ops" (the plain keras.ops core: every
+            backend, every option), the name of a registered fast path (which must be
+            able to run the call, else the call raises a ValueError saying why), or
+            "auto" (the default): per call, the first fast path of the active backend
+            that can run it and is preferred for it, else "ops" (then choosing a query
+            chunk size for speed when ``query_chunk_size`` is None). The paths and
+            their rules are the registry's (``dcmha.registry``);
+            ``dcmha.ops.explain_implementation`` tells, for a call, why each is
+            taken or passed over.
         kernel_initializer, bias_initializer: for the projections.
         kernel_regularizer, bias_regularizer, activity_regularizer,
         kernel_constraint, bias_constraint: for the projections, as in

@@ -1,13 +1,15 @@
-"""The TensorFlow CPU core as the "tf_cpu" implementation (Keras tensorflow backend).
+"""The "tf_cpu" implementation's module (Keras TensorFlow backend): ``attention(call)``
+runs the TensorFlow blocks whose composes are the compiled C kernel's ops
+(``dcmha_tf_cpu``) on a validated ``dcmha.call.AttentionCall``; ``dynamic_weights`` is a
+decoding step's dynamic weights by the kernel op, reached through the backend seam.
 
-Registered as ``IMPLEMENTATION`` in ``dcmha.backends.tf_cpu`` (entry point
-``tf_cpu``), tried before "xla" by ``implementation="auto"``; the registration
-declares the device (CPU), the size threshold of ``"auto"`` and what it lacks
-(as "jax_cpu"). ``unsupported(call)`` adds: the call is traced inside an XLA
-cluster (``tf.function(jit_compile=True)``, e.g. ``Model.fit`` with its default
-``jit_compile="auto"``), where the kernel's ops cannot be compiled (the "xla"
-path runs there); and the rules of ``dcmha.backends.cpu_blocks`` (block count,
-kernel availability, checked last since it builds the ops).
+What the path lacks and where ``"auto"`` may take it are declared in its registration
+(``dcmha.backends.tf_cpu.IMPLEMENTATION``); ``unsupported`` adds the checks that need
+the call: a trace for XLA (``tf.function(jit_compile=True)``, e.g. ``Model.fit`` with its
+default ``jit_compile="auto"``), where the kernel's ops cannot be compiled, and the rules
+of ``dcmha.backends.cpu_blocks`` (checked last since it builds the ops).
+``dcmha.ops.explain_implementation`` tells, for a call, why each path is taken or passed
+over.
 """
 
 from __future__ import annotations

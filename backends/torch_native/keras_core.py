@@ -1,28 +1,21 @@
-"""The plain-PyTorch fused core as the "torch" implementation (Keras torch backend).
+"""The "torch" implementation's module (Keras torch backend): ``attention(call)`` runs the
+blocked PyTorch autograd function ``dcmha_torch.dcmha_attention`` on a validated
+``dcmha.call.AttentionCall`` and returns (o (B, T, N, d_v) float32, extras), extras
+holding "attention_scores" (B, N, T, S) when asked for (differentiable).
 
-Registered as ``IMPLEMENTATION`` in ``dcmha.backends.torch_native`` (entry point
-``torch`` of ``dcmha.implementations``), which declares what it lacks: the
-intermediates (never materialised), dropout in training (the blockwise backward
-would have to regenerate ``keras.random.dropout``'s mask), per-head masks, unknown shapes. This module adds:
+What the path lacks and where ``"auto"`` may take it (devices, the T * S threshold) are
+declared in its registration (``dcmha.backends.torch_native.IMPLEMENTATION``);
+``unsupported`` adds the checks that need the tensors (torch tensors, not inside
+``torch.compile``: the core is a Python loop). An eager integer tensor ``query_offset`` is
+read as an int. ``dcmha.ops.explain_implementation`` tells, for a call, why each path is
+taken or passed over.
 
-* ``unsupported(call)``: inputs that are not torch tensors, a call traced by
-  ``torch.compile`` (the core is a Python loop). An eager integer tensor
-  ``query_offset`` is read as an int.
-* ``preferred(call)``: for ``"auto"`` on CPU from T * S >= ``MIN_PREFERRED_TS``
-  (8192, declared in the registration): below it both cores take a few
-  milliseconds, dominated by per-op overhead, and the training step is as fast
-  or faster with "ops" (figures: benchmarks/RESULTS.md, "Dispatch thresholds").
-  On CUDA the Triton path is the fast one, so ``"auto"`` takes this one on CPU only.
-* ``attention(call)``: (o (B, T, N, d_v) float32, extras), extras holding
-  "attention_scores" (B, N, T, S) when asked for (differentiable).
-
-``query_chunk_size``, when given, is the block size (it bounds the largest
-block as it bounds the "ops" core's largest intermediate); otherwise
-``dcmha_torch.default_block_q`` chooses it.
+``query_chunk_size``, when given, is the block size (it bounds the largest block as it
+bounds the "ops" core's largest intermediate); otherwise ``dcmha_torch.default_block_q``
+chooses it.
 """
 
 from __future__ import annotations
-
 
 
 def unsupported(call):

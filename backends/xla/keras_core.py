@@ -1,35 +1,20 @@
-"""The "xla" fast path of ``dcmha.ops.dcmha_attention`` (Keras TensorFlow backend).
-
-Registered as ``IMPLEMENTATION`` in ``dcmha.backends.xla`` (entry point ``xla``),
-imported by ``dcmha.registry`` on first use. It wraps
-``dcmha.backends.xla.dcmha_attention`` (one ``tf.function(jit_compile=True)``
-per static configuration, traced inline inside a caller's XLA computation) in the
-contract of the plain core: ``attention(call)``
-takes the projected heads q (B, T, N, d), k (B, S, N_kv, d), v (B, S, N_kv, d_v)
-and the compose terms, and returns (o (B, T, N, d_v) float32, extras) with
+"""The "xla" implementation's module (Keras TensorFlow backend): ``attention(call)`` runs
+``dcmha.backends.xla.dcmha_attention`` (one ``tf.function(jit_compile=True)`` per static
+configuration, traced inline inside a caller's XLA computation) on a validated
+``dcmha.call.AttentionCall`` and returns (o (B, T, N, d_v) float32, extras) with
 extras["attention_scores"] (B, N, T, S) when asked for, {} otherwise.
 
-Rules:
+What the path lacks and where ``"auto"`` may take it are declared in its registration
+(``dcmha.backends.xla.IMPLEMENTATION``); ``unsupported`` and ``preferred`` below add the
+checks that need the call's tensors. ``dcmha.ops.explain_implementation`` tells, for a
+call, why each path is taken or passed over.
 
-* Declared (the registration): no non-zero or tensor ``query_offset`` (decoding
-  with a cache: the XLA core puts query 0 at position 0), no dropout in training,
-  no intermediates, no per-head masks.
-* ``unsupported(call)`` (a reason, or None): head counts or head sizes (the last
-  two axes of q, k, v) unknown at trace time.
-* ``preferred(call)``: True for every supported call with known lengths made
-  while TensorFlow traces a graph (inside a ``tf.function``, e.g. Keras ``fit`` / ``predict``,
-  or inside an XLA-compiled function, where the core is traced inline into the
-  caller's computation); False for eager calls: an eager call compiles one XLA
-  function per new shape and configuration, which costs more than a one-off
-  eager call saves (figures: benchmarks/RESULTS.md, "Dispatch thresholds").
-
-Conventions checked against ``_attention_ops`` and ``spec/SPEC.md``: the core
-scales the scores itself (``scale`` = 1 / sqrt(d), the default), so q is passed
-unscaled; causal is s <= t and the window |t - s| < W (with causal: the W keys
-ending at t), as in the spec at query_offset 0; the mask is a boolean
-(B|1, T|1, S|1) tensor (``dcmha.ops.standardize_mask``) that the core broadcasts; fully
-masked rows give zeros. ``query_chunk_size`` is passed on (None: the core's own
-default, ``default_query_chunk_size``).
+Conventions checked against the "ops" core and ``spec/SPEC.md``: the core scales the
+scores itself (1 / sqrt(d)), so q is passed unscaled; causal is s <= t and the window
+|t - s| < W (with causal: the W keys ending at t), as in the spec at query_offset 0; the
+mask is a boolean (B|1, T|1, S|1) tensor (``dcmha.ops.standardize_mask``) that the core
+broadcasts; fully masked rows give zeros. ``query_chunk_size`` is passed on (None: the
+core's own default, ``default_query_chunk_size``).
 """
 
 from __future__ import annotations
@@ -48,8 +33,8 @@ def unsupported(call):
 def preferred(call) -> bool:
     """Whether ``implementation="auto"`` takes the XLA core: when TensorFlow traces a graph.
 
-    Eager calls take "ops": their per-shape XLA compile costs more than it saves
-    (see the module docstring).
+    Eager calls take "ops": their per-shape XLA compile costs more than one call saves
+    (figures: benchmarks/RESULTS.md, "Dispatch thresholds").
     """
     import tensorflow as tf
 
