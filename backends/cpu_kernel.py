@@ -692,6 +692,31 @@ def _args(x5, out5, st, G, M, R, s):
     return a
 
 
+def _refuse(message):
+    raise ValueError(f"dcmha C kernel: {message}")
+
+
+def _check_block(x, same, st, G, R, names=("wq", "kw1", "kw2", "kdd")):
+    """x (B, t, N, s) with the arrays `same` of its shape and the terms st of a block
+    (see `compose_forward`), checked before the kernel reads them: a mis-shaped array
+    is refused, never read past."""
+    B, t, N, s = x.shape
+    if G < 1 or N % G or R < 1:
+        _refuse(f"{N} heads do not split into {G} groups, or rank {R} < 1")
+    M = N // G
+    want = ((B, t, N, N), (B, G, R, M, s), (B, G, R, M, s), (B, G, M, s))
+    for name, a, shape in zip(("x", *("out / g / dx" for _ in same)), (x, *same),
+                              ((B, t, N, s),) * (1 + len(same))):
+        if tuple(a.shape) != shape or (a.shape[-1] > 1 and a.stride()[-1] != 1):
+            _refuse(f"{name} must be {shape} with a contiguous last axis; received "
+                    f"{tuple(a.shape)}")
+    for name, term, shape in zip(names, st, want):
+        if term is not None and (tuple(term.shape) != shape
+                                 or (shape[-1] > 1 and term.stride()[-1] != 1)):
+            _refuse(f"{name} must be {shape} with a contiguous last axis for x "
+                    f"{tuple(x.shape)}; received {tuple(term.shape)}")
+
+
 def compose_forward(lib, x, out, st, G, R):
     """out = Compose(x) for a block; x, out (B, t, N, s) views (out may be x).
 
@@ -700,6 +725,7 @@ def compose_forward(lib, x, out, st, G, R):
     axis; kw2's strides must equal kw1's.
     """
     B, t, N, s = x.shape
+    _check_block(x, (out,), st, G, R if st[1] is not None else 1)
     a = _args(x, out, st, G, N // G, R, s)
     if lib.dcmha_compose_forward(ctypes.byref(a)):
         raise MemoryError("dcmha C kernel: out of memory for its chunk buffer")
@@ -769,6 +795,27 @@ def decode_terms(terms):
     return out
 
 
+def _check_decode(x, p, mask, pre, post):
+    """decode_probs' arrays checked against x (B, G, M, S) before the kernel reads them."""
+    B, G, M, S = x.shape
+    if tuple(p.shape) != (B, G, M, S):
+        _refuse(f"p must be x's shape {(B, G, M, S)}; received {tuple(p.shape)}")
+    if mask is not None and (mask.dim() != 3 or mask.shape[0] not in (1, B)
+                             or mask.shape[1] not in (1, G * M) or mask.shape[2] not in (1, S)):
+        _refuse(f"mask must be (B|1, N|1, S|1) for x {(B, G, M, S)}; received "
+                f"{tuple(mask.shape)}")
+    for terms in (pre or {}, post or {}):
+        rq = terms["qw1"].shape[3] if "qw1" in terms else 1
+        rk = terms["kw1"].shape[3] if "kw1" in terms else 1
+        want = {"qw1": (B, 1, G, rq, M), "qw2": (B, 1, G, rq, M), "qdd": (B, 1, G, M),
+                "static": (G, M, M), "kw1": (B, S, G, rk, M), "kw2": (B, S, G, rk, M),
+                "kdd": (B, S, G, M)}
+        for name, term in terms.items():
+            if tuple(term.shape) != want.get(name):
+                _refuse(f"{name} must be {want.get(name)} for x {(B, G, M, S)}; received "
+                        f"{tuple(term.shape)}")
+
+
 def decode_probs(lib, x, p, mask, pre, post, masked):
     """One query's probabilities into p: Compose_post(softmax(where(mask, Compose_pre(x),
     masked))), ``dcmha_decode_probs`` of ``csrc/dcmha_args.h`` (the arithmetic of
@@ -779,6 +826,7 @@ def decode_probs(lib, x, p, mask, pre, post, masked):
     cache's layout, kw1, kw2 (B, S, G, R, M), kdd (B, S, G, M) (``decode_terms`` makes
     them); or None."""
     B, G, M, S = x.shape
+    _check_decode(x, p, mask, pre, post)
     m = [None, 1, 1, 1] if mask is None else [mask.data_ptr(), *mask.shape]
     if lib.dcmha_decode_probs(B, G, M, S, x.data_ptr(), p.data_ptr(), *m, masked,
                               *_stage_args(pre), *_stage_args(post)):
@@ -798,12 +846,22 @@ def dynamic_sizes(dw1, qkw, dd, C):
     return dd.shape[1], 1, dd.shape[2] // C
 
 
+def _check_counts(arrays):
+    """{name: (array or None, the element count the kernel reads)}, checked."""
+    for name, (a, n) in arrays.items():
+        if a is not None and a.numel() != n:
+            _refuse(f"{name} must hold {n} elements; received shape {tuple(a.shape)}")
+
+
 def dynamic_weights(lib, x, dw1, qkw, dd, w1, w2, g, *, GC, K, M, rank, gelu_approximate,
                     eps):
     """``dcmha_dynamic_weights`` of ``csrc/dcmha_args.h`` into w1, w2 (BL, GC, R, M) and g
     (BL, GC M): x (BL, D), dw1 (D, GC K), qkw (GC, K, 2R, M), dd (D, GC M), every array
     float32 contiguous; dw1 / qkw / w1 / w2, or dd / g, None where absent."""
     BL, D = x.shape
+    _check_counts({"dw1": (dw1, D * GC * K), "qkw": (qkw, GC * K * 2 * rank * M),
+                   "dd": (dd, D * GC * M), "w1": (w1, BL * GC * rank * M),
+                   "w2": (w2, BL * GC * rank * M), "g": (g, BL * GC * M)})
     ptr = lambda a: None if a is None else a.data_ptr()      # noqa: E731
     if lib.dcmha_dynamic_weights(BL, D, GC, K, rank, M, x.data_ptr(), ptr(dw1), ptr(qkw),
                                  ptr(dd), int(gelu_approximate), eps, ptr(w1), ptr(w2), ptr(g)):
@@ -816,6 +874,12 @@ def dynamic_finish(lib, pre, h_col, g_col, qkw, w1, w2, g, *, GC, K, M, rank,
     pre (BL, n), float32 with contiguous rows, whose columns [h_col, h_col + GC K) hold x dw1
     (gelu is applied there, in place) and [g_col, g_col + GC M) x dd; qkw / w1 / w2 (or g)
     None where absent, as in ``dynamic_weights``."""
+    BL, n = pre.shape
+    for col, width, used in ((h_col, GC * K, qkw is not None), (g_col, GC * M, g is not None)):
+        if used and not (0 <= col <= n and width <= n - col):
+            _refuse(f"columns [{col}, {col} + {width}) lie outside pre's {n}")
+    _check_counts({"qkw": (qkw, GC * K * 2 * rank * M), "w1": (w1, BL * GC * rank * M),
+                   "w2": (w2, BL * GC * rank * M), "g": (g, BL * GC * M)})
     ptr = lambda a: None if a is None else a.data_ptr()      # noqa: E731
     lib.dcmha_dynamic_finish(pre.shape[0], GC, K, rank, M, pre.data_ptr(), pre.stride(0),
                              h_col, g_col, ptr(qkw), int(gelu_approximate), eps, ptr(w1),
@@ -830,6 +894,9 @@ def compose_backward(lib, x, g, dx, st, dst, G, R):
     absent; d_kw2's strides must equal d_kw1's.
     """
     B, t, N, s = x.shape
+    R_ = R if st[1] is not None else 1
+    _check_block(x, (g, dx), st, G, R_)
+    _check_block(x, (), dst, G, R_, names=("d_wq", "d_kw1", "d_kw2", "d_kdd"))
     a = _args(x, dx, st, G, N // G, R, s)
     _view(a, "g", g, ("g_b", "g_i", "g_n"))
     d_wq, d_kw1, d_kw2, d_kdd = dst

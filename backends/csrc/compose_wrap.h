@@ -12,8 +12,36 @@
 #define DCMHA_COMPOSE_WRAP_H
 
 #include <cstring>
+#include <initializer_list>
 
 #include "dcmha_args.h"
+
+/* Whether n (an array's element count) is the product of dims; false as well when a
+   factor is negative or the product overflows int64 (no array holds that many). */
+static bool dcmha_count_is(int64_t n, std::initializer_list<int64_t> dims) {
+    int64_t p = 1;
+    for (int64_t d : dims)
+        if (d < 0 || __builtin_mul_overflow(p, d, &p)) return false;
+    return n == p;
+}
+
+/* Why the terms do not fit x (B, G, M, t, s) = d with rank R (nullptr: they do), as the
+   compose wrappers pass them: wq (B, t, G, M, M), kw1, kw2 (B, G, R, M, s), kdd
+   (B, G, M, s), counted in elements; a term absent by flags is not read. Checked before
+   the kernel runs, so that arrays a caller mis-shaped are refused, never read past. */
+static const char *dcmha_terms_problem(const int64_t *d, int64_t R, int64_t n_wq,
+                                       int64_t n_kw1, int64_t n_kw2, int64_t n_kdd,
+                                       int64_t flags) {
+    const int64_t B = d[0], G = d[1], M = d[2], t = d[3], s = d[4];
+    if ((flags & DCMHA_HAS_WQ) && !dcmha_count_is(n_wq, {B, t, G, M, M}))
+        return "dcmha compose: wq must be (B, t, G, M, M) for x (B, G, M, t, s)";
+    if ((flags & DCMHA_HAS_KW) && (R < 1 || !dcmha_count_is(n_kw1, {B, G, R, M, s}) ||
+                                   n_kw2 != n_kw1))
+        return "dcmha compose: kw1 and kw2 must be (B, G, R, M, s) for x (B, G, M, t, s)";
+    if ((flags & DCMHA_HAS_KDD) && !dcmha_count_is(n_kdd, {B, G, M, s}))
+        return "dcmha compose: kdd must be (B, G, M, s) for x (B, G, M, t, s)";
+    return nullptr;
+}
 
 static void dcmha_fill(Args &a, const int64_t *d, int64_t R, const float *x, const float *wq,
                        const float *kw1, const float *kw2, const float *kdd, int64_t flags) {

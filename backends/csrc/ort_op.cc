@@ -247,9 +247,12 @@ OrtStatus *read_stage(OrtKernelContext *ctx, size_t &i, int64_t flags, const Ten
                       "groups", (long long)N, (long long)G);
         return status(kInvalidArgument, msg);
     }
+    /* [t0, t0 + T) inside rows and [s0, s0 + S) inside S_all, compared against the sizes
+       (t0 <= rows, then T <= rows - t0): a sum such as t0 + T could overflow. */
     const int64_t M = N / G, rows = t.wq.dims[2];
-    const bool rows_ok = part ? rows == 1 || rows >= t0 + T : rows == 1 || rows == T;
-    const bool keys_ok = part ? t.S_all >= s0 + S : t.S_all == S;
+    const bool rows_ok = part ? rows == 1 || (t0 >= 0 && t0 <= rows && T <= rows - t0)
+                              : rows == 1 || rows == T;
+    const bool keys_ok = part ? s0 >= 0 && s0 <= t.S_all && S <= t.S_all - s0 : t.S_all == S;
     if ((flags & DCMHA_HAS_WQ) && ((t.wq.dims[0] != B && t.wq.dims[0] != 1) || !rows_ok ||
                                    t.wq.dims[3] != M || t.wq.dims[4] != M))
         return mismatch("wq", part ? "(B|1, G, 1 or >= t0 + T, M, M)" : "(B|1, G, T|1, M, M)",
@@ -513,11 +516,15 @@ OrtStatus *rope(void *kernel, OrtKernelContext *ctx) {
     if (split) {   /* x (B, L, W): heads[0] query heads, then heads[1] key heads of d */
         if ((st = read_input(ctx, 3, "heads", 1, heads, kInt64))) return st;
         const int64_t *nh = reinterpret_cast<const int64_t *>(heads.data);
-        H0 = heads.dims[0] == 2 ? nh[0] : 0;
-        H = heads.dims[0] == 2 ? nh[0] + nh[1] : 0;
         x_row = x.dims[2];
-        if (heads.dims[0] != 2 || H0 < 1 || H <= H0 || pos.dims[0] != L || half < 1 ||
-            H * d > x_row) {
+        /* N, N_kv >= 1 with (N + N_kv) d <= W, compared as N <= W / d and
+           N_kv <= W / d - N, so that no product or sum of the inputs' values overflows */
+        const int64_t fit = half < 1 ? 0 : x_row / d;
+        const bool ok = heads.dims[0] == 2 && nh[0] >= 1 && nh[1] >= 1 && nh[0] <= fit &&
+                        nh[1] <= fit - nh[0];
+        H0 = ok ? nh[0] : 0;
+        H = ok ? nh[0] + nh[1] : 0;
+        if (!ok || pos.dims[0] != L || half < 1) {
             char msg[240];
             std::snprintf(msg, sizeof msg, "dcmha RopeHeads: need positions (L,), inv_freq "
                           "(d/2,) and heads (N, N_kv), both >= 1, with (N + N_kv) d <= W for x "

@@ -55,6 +55,18 @@ class DcmhaComposeOp : public OpKernel {
         int64_t d[5];
         for (int i = 0; i < 5; i++) d[i] = x.dim_size(i);
         const Tensor &kw1 = c->input(terms + 1);
+        /* the terms' sizes against x's before the kernel reads them; the backward's g
+           (input 1) has x's shape */
+        const char *why = dcmha_terms_problem(
+            d, kw1.dims() == 5 ? kw1.dim_size(2) : 0, c->input(terms).NumElements(),
+            kw1.NumElements(), c->input(terms + 2).NumElements(),
+            c->input(terms + 3).NumElements(), flags_);
+        if (!why && terms == 2 && c->input(1).NumElements() != x.NumElements())
+            why = "dcmha compose: g must have x's shape (B, G, M, t, s)";
+        if (why) {
+            c->SetStatus(errors::InvalidArgument(why));
+            return false;
+        }
         const int64_t R = kw1.dims() == 5 ? kw1.dim_size(2) : 1;
         dcmha_fill(a, d, R, x.flat<float>().data(), c->input(terms).flat<float>().data(),
                    kw1.flat<float>().data(), c->input(terms + 2).flat<float>().data(),
@@ -151,6 +163,15 @@ class DcmhaDynamicWeightsOp : public OpKernel {
         OP_REQUIRES(c, x.dims() >= 2, errors::InvalidArgument(
                         "dcmha dynamic weights: x must be (..., D), got rank ", x.dims()));
         const int64_t D = x.dim_size(x.dims() - 1), BL = x.NumElements() / (D ? D : 1);
+        /* the weights' sizes against the attributes before the kernel reads them */
+        const bool sizes_ok =
+            gc_ >= 1 && k_ >= 1 && rank_ >= 1 && m_ >= 1 &&
+            (!proj_ || (dcmha_count_is(c->input(1).NumElements(), {D, gc_, k_}) &&
+                        dcmha_count_is(c->input(2).NumElements(), {gc_, k_, 2, rank_, m_}))) &&
+            (!gating_ || dcmha_count_is(c->input(3).NumElements(), {D, gc_, m_}));
+        OP_REQUIRES(c, sizes_ok, errors::InvalidArgument(
+                        "dcmha dynamic weights: need gc, k, rank, m >= 1, dw1 (D, gc k), qkw "
+                        "(gc, k, 2 rank, m) and dd (D, gc m) for x (..., D) with D = ", D));
         const int64_t G = gc_ / c_, RM = rank_ * m_;
         /* The kernel's stacked (BL, G C, rank, M) / (BL, G C, M) results, then the slots. */
         Tensor stacked[3];

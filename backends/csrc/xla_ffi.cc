@@ -16,7 +16,24 @@ namespace ffi = xla::ffi;
 using F32 = ffi::Buffer<ffi::F32>;
 using Out = ffi::ResultBuffer<ffi::F32>;
 
+/* Why x (B, G, M, t, s) and the terms (compose_wrap.h's layouts) cannot be composed, with
+   the arrays of the same size as x given in same (out, g, dx): nullptr when they can. A
+   call built by hand (jax.ffi.ffi_call with other shapes) is refused, never read past. */
+static const char *problem(F32 x, F32 wq, F32 kw1, F32 kw2, F32 kdd, int64_t flags,
+                           std::initializer_list<size_t> same) {
+    if (x.dimensions().size() != 5) return "dcmha compose: x must be (B, G, M, t, s)";
+    for (size_t n : same)
+        if (n != x.element_count())
+            return "dcmha compose: the result and g must have x's shape (B, G, M, t, s)";
+    const int64_t R = kw1.dimensions().size() == 5 ? kw1.dimensions()[2] : 0;
+    return dcmha_terms_problem(x.dimensions().begin(), R, wq.element_count(),
+                               kw1.element_count(), kw2.element_count(), kdd.element_count(),
+                               flags);
+}
+
 static ffi::Error Forward(F32 x, F32 wq, F32 kw1, F32 kw2, F32 kdd, Out out, int64_t flags) {
+    if (const char *why = problem(x, wq, kw1, kw2, kdd, flags, {out->element_count()}))
+        return ffi::Error::InvalidArgument(why);
     Args a;
     const int64_t R = kw1.dimensions().size() == 5 ? kw1.dimensions()[2] : 1;
     dcmha_fill(a, x.dimensions().begin(), R, x.typed_data(), wq.typed_data(),
@@ -28,6 +45,15 @@ static ffi::Error Forward(F32 x, F32 wq, F32 kw1, F32 kw2, F32 kdd, Out out, int
 
 static ffi::Error Backward(F32 x, F32 g, F32 wq, F32 kw1, F32 kw2, F32 kdd, Out dx, Out dwq,
                            Out dkw1, Out dkw2, Out dkdd, int64_t flags) {
+    if (const char *why = problem(x, wq, kw1, kw2, kdd, flags,
+                                  {g.element_count(), dx->element_count()}))
+        return ffi::Error::InvalidArgument(why);
+    if (dwq->element_count() != wq.element_count() ||
+        dkw1->element_count() != kw1.element_count() ||
+        dkw2->element_count() != kw1.element_count() ||
+        dkdd->element_count() != kdd.element_count())
+        return ffi::Error::InvalidArgument("dcmha compose: each term's gradient must have "
+                                           "the term's shape");
     Args a;
     const int64_t R = kw1.dimensions().size() == 5 ? kw1.dimensions()[2] : 1;
     dcmha_fill(a, x.dimensions().begin(), R, x.typed_data(), wq.typed_data(),
@@ -60,6 +86,52 @@ static DcmhaStage stage(const float *&q, const int64_t *d, int64_t rq, F32 kw1, 
     return dcmha_stage(data, rq, rk, flags);
 }
 
+/* Why Probs' arrays do not fit x (B, G, M, S) (nullptr: they do): p as x; the query-side
+   terms' floats at least what the stages' flags and ranks read; kw1, kw2 (B, S, G, R, M)
+   and kdd (B, S, G, M) where present; a mask (mask_b in {1, B}, mask_n in {1, G M},
+   mask_s in {1, S}) when has_mask. */
+static const char *probs_problem(F32 x, ffi::Buffer<ffi::PRED> mask, F32 query,
+                                 F32 pre_kw1, F32 pre_kw2, F32 pre_kdd, F32 post_kw1,
+                                 F32 post_kw2, F32 post_kdd, size_t n_p, int64_t pre_flags,
+                                 int64_t post_flags, int64_t pre_rank, int64_t post_rank,
+                                 int64_t has_mask) {
+    if (x.dimensions().size() != 4 || n_p != x.element_count())
+        return "dcmha decode probabilities: x and p must be (B, G, M, S)";
+    const int64_t *d = x.dimensions().begin();
+    const int64_t B = d[0], G = d[1], M = d[2], S = d[3];
+    int64_t need = 0;
+    const int64_t flags[2] = {pre_flags, post_flags}, ranks[2] = {pre_rank, post_rank};
+    const F32 *kw[2][3] = {{&pre_kw1, &pre_kw2, &pre_kdd}, {&post_kw1, &post_kw2, &post_kdd}};
+    for (int i = 0; i < 2; i++) {
+        const int64_t f = flags[i], rq = ranks[i];
+        int64_t n = 0;
+        if ((f & DCMHA_HAS_QW) && (rq < 1 || rq > (int64_t(1) << 31) ||
+                                   __builtin_mul_overflow(B * G * M, 2 * rq, &n)))
+            return "dcmha decode probabilities: a query rank must be in [1, 2**31]";
+        need += n + ((f & DCMHA_HAS_QDD) ? B * G * M : 0) +
+                ((f & DCMHA_HAS_STATIC) ? G * M * M : 0);
+        if (f & DCMHA_HAS_KW) {
+            const auto &dims = kw[i][0]->dimensions();
+            const int64_t rk = dims.size() == 5 ? dims[3] : 0;
+            if (rk < 1 || !dcmha_count_is(kw[i][0]->element_count(), {B, S, G, rk, M}) ||
+                kw[i][1]->element_count() != kw[i][0]->element_count())
+                return "dcmha decode probabilities: kw1 and kw2 must be (B, S, G, R, M)";
+        }
+        if ((f & DCMHA_HAS_KDD) && !dcmha_count_is(kw[i][2]->element_count(), {B, S, G, M}))
+            return "dcmha decode probabilities: kdd must be (B, S, G, M)";
+    }
+    if ((int64_t)query.element_count() < need)
+        return "dcmha decode probabilities: the query-side terms are shorter than the stages "
+               "read";
+    if (has_mask) {
+        const auto &md = mask.dimensions();
+        if (md.size() != 3 || (md[0] != 1 && md[0] != B) || (md[1] != 1 && md[1] != G * M) ||
+            (md[2] != 1 && md[2] != S))
+            return "dcmha decode probabilities: mask must be (B|1, N|1, S|1)";
+    }
+    return nullptr;
+}
+
 /* x (B, G, M, S); mask (mask_b, mask_n, mask_s) bool (a 1-element dummy when has_mask is 0);
    query: the query-side terms of the pre stage, then of the post stage, flat (qw1, qw2, qdd,
    static, each where its stage's flags have it; T = 1); then kw1, kw2, kdd of the pre stage
@@ -69,6 +141,10 @@ static ffi::Error Probs(F32 x, ffi::Buffer<ffi::PRED> mask, F32 query, F32 pre_k
                         F32 pre_kw2, F32 pre_kdd, F32 post_kw1, F32 post_kw2, F32 post_kdd,
                         Out p, int64_t pre_flags, int64_t post_flags, int64_t pre_rank,
                         int64_t post_rank, int64_t has_mask, float masked) {
+    if (const char *why = probs_problem(x, mask, query, pre_kw1, pre_kw2, pre_kdd, post_kw1,
+                                        post_kw2, post_kdd, p->element_count(), pre_flags,
+                                        post_flags, pre_rank, post_rank, has_mask))
+        return ffi::Error::InvalidArgument(why);
     const int64_t *d = x.dimensions().begin();
     const float *q = query.typed_data();
     const DcmhaStage pre = stage(q, d, pre_rank, pre_kw1, pre_kw2, pre_kdd, pre_flags);
