@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import hashlib
-import json
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from dcmha.checkpoints._files import MAX_JSON_BYTES, parse_json, short
 from dcmha.spec import reference
 
 #: The fixtures shipped with the package.
@@ -24,6 +24,10 @@ FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 MANIFEST_NAME = "MANIFEST.json"
 
 PathLike = Union[str, Path]
+
+#: A case's .npz may inflate to at most this many times its size, plus NPZ_SLACK bytes
+#: (the fixtures are stored uncompressed: about 1x).
+NPZ_RATIO, NPZ_SLACK = 16, 1 << 20
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -76,7 +80,8 @@ def read_manifest(fixtures_dir: Optional[PathLike] = None) -> dict:
         raise ValueError(f"No {MANIFEST_NAME} in the fixtures directory {root}. "
                          "Generate the fixtures with `python -m dcmha.conformance.generate`.")
     try:
-        manifest = json.loads(path.read_text())
+        with open(path, "rb") as f:
+            manifest = parse_json(f.read(MAX_JSON_BYTES + 1), str(path), "manifest")
     except ValueError:
         manifest = None
     if (not isinstance(manifest, dict) or "spec_version" not in manifest
@@ -87,13 +92,14 @@ def read_manifest(fixtures_dir: Optional[PathLike] = None) -> dict:
     for name, digest in manifest["files"].items():
         if not _is_plain_name(name) or not isinstance(digest, str):
             raise ValueError(
-                f"{path} is not a valid manifest: the entry {name!r} is not a file name inside "
+                f"{path} is not a valid manifest: the entry {short(name)} is not a file name "
+                "inside "
                 "the fixtures directory (entries are plain names such as 'mha.json', each "
                 "mapped to a sha256 string).")
     if manifest.get("spec_version") != reference.SPEC_VERSION:
         raise ValueError(
             f"The fixtures in {root} were generated for spec version "
-            f"{manifest.get('spec_version')!r} but dcmha.spec.reference is "
+            f"{short(manifest.get('spec_version'))} but dcmha.spec.reference is "
             f"{reference.SPEC_VERSION!r}; regenerate them with `python -m dcmha.conformance.generate`.")
     return manifest
 
@@ -213,11 +219,41 @@ def _check_arrays(path: Path, cfg: reference.Config, meta: Mapping, arrays: Mapp
                              f"{tuple(arrays[n].shape)}, expected {tuple(shape)}.")
 
 
+def _read_npz(path: Path, data: bytes) -> Dict[str, np.ndarray]:
+    """The arrays of a case's .npz (its bytes), every member a ``.npy`` file, the members'
+    inflated size checked against the archive's before any is read."""
+    import io
+    import zipfile
+
+    def refuse(why):
+        raise ValueError(f"Fixture file {path} is not a readable .npz archive: {why}.")
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError):
+        refuse("not a zip archive")
+    names = [i.filename for i in infos]
+    odd = [n for n in names if not n.endswith(".npy")]
+    if odd or len(set(names)) != len(names):
+        refuse(f"every member must be a distinct '.npy' file; received {short(odd or names)}")
+    inflated = sum(i.file_size for i in infos)
+    if inflated > NPZ_RATIO * len(data) + NPZ_SLACK:
+        refuse(f"its members inflate to {inflated} bytes, more than {NPZ_RATIO} times its "
+               f"{len(data)}")
+    arrays = {}
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            for key in npz.files:
+                arrays[key] = npz[key]
+    except Exception as err:  # noqa: BLE001 - zipfile.BadZipFile, ValueError, OSError, EOFError...
+        refuse(f"{type(err).__name__}: {str(err)[:120]}")
+    return arrays
+
+
 def load_case(name: str, fixtures_dir: Optional[PathLike] = None,
               manifest: Optional[Mapping] = None) -> Case:
     """Load and verify one case by name."""
-    import io
-
     root = Path(fixtures_dir) if fixtures_dir is not None else FIXTURES_DIR
     if not _is_plain_name(f"{name}.json"):
         raise ValueError("A case name must name a file inside the fixtures directory. "
@@ -226,7 +262,7 @@ def load_case(name: str, fixtures_dir: Optional[PathLike] = None,
     json_path, npz_path = root / f"{name}.json", root / f"{name}.npz"
     raw = verify_file(json_path, manifest)
     try:
-        meta = json.loads(raw)
+        meta = parse_json(raw, str(json_path), "case")
     except ValueError:
         meta = None
     if not isinstance(meta, dict):
@@ -238,16 +274,13 @@ def load_case(name: str, fixtures_dir: Optional[PathLike] = None,
     if problem is not None:
         field, must, got = problem
         raise ValueError(f"Fixture file {json_path} is not a valid case: `{field}` must be "
-                         f"{must}. Received: {field}={got!r}")
-    data = verify_file(npz_path, manifest)
-    arrays = {}
+                         f"{must}. Received: {field}={short(got)}")
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            for key in npz.files:
-                arrays[key] = npz[key]
-    except Exception:  # zipfile.BadZipFile, ValueError, OSError, EOFError...
-        raise ValueError(f"Fixture file {npz_path} is not a readable .npz archive.") from None
-    cfg = reference.Config.from_dict(meta["config"])
+        cfg = reference.Config.from_dict(meta["config"])
+    except (TypeError, ValueError, KeyError) as err:
+        raise ValueError(f"Fixture file {json_path} is not a valid case: `config` is not "
+                         f"dcmha.spec.reference.Config's arguments ({str(err)[:200]}).") from None
+    arrays = _read_npz(npz_path, verify_file(npz_path, manifest))
     _check_arrays(npz_path, cfg, meta, arrays)
 
     def section(prefix: str) -> Dict[str, np.ndarray]:

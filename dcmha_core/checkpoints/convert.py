@@ -253,14 +253,14 @@ def official_model_arguments(state_dict: Mapping, config, *, dtype=None, **overr
                         f"Received: {type(state_dict).__name__}")
     kw = official_config_to_kwargs(config)
     sd = {str(k): _to_numpy(k, v) for k, v in state_dict.items()}
+    if kw["num_layers"] > len(sd):   # every layer has entries: checked before any table
+        raise ValueError(f"Config 'n_layer' is {kw['num_layers']}, but the state dict holds "
+                         f"only {len(sd)} entries (each layer needs several).")
     G, K, R = _composition_sizes(sd, kw)
     expected = {"tok_embeddings.weight": (kw["vocab_size"], kw["hidden_dim"]),
                 "norm.weight": (kw["hidden_dim"],)}
     if not kw["tie_embeddings"]:
         expected["output.weight"] = (kw["vocab_size"], kw["hidden_dim"])
-    if kw["num_layers"] > len(sd):   # every layer has entries: check before building the table
-        raise ValueError(f"Config 'n_layer' is {kw['num_layers']}, but the state dict holds "
-                         f"only {len(sd)} entries (each layer needs several).")
     for i in range(kw["num_layers"]):
         expected.update(_layer_shapes(i, kw, G, K, R,
                                       fused=f"layers.{i}.attention.wqkv.weight" in sd))
