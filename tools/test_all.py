@@ -49,8 +49,8 @@ def _glob(*patterns: str) -> list:
 
 def steps() -> list:
     """(label, environment overrides, pytest arguments or None for the conformance CLI)."""
-    out = [("spec", {}, _glob("tests/test_reference*.py", "tests/test_conformance*.py")
-            + ["conformance"])]
+    out = [("spec", {}, _glob("tests/test_reference*.py", "tests/test_conformance*.py",
+                              "tests/test_untrusted*.py") + ["conformance"])]
     keras_tests = _glob("tests/test_layer*.py", "tests/test_export*.py", "tests/test_models*.py",
                         "tests/test_checkpoints*.py", "tests/test_demo*.py",
                         "tests/test_validation*.py", "tests/test_numerics*.py",
