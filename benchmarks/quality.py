@@ -17,7 +17,14 @@ stopped (and two processes can share the work: a run being trained is locked)::
     python benchmarks/quality.py lr           # learning rates x both models
     python benchmarks/quality.py heads        # head dimension at a fixed width
     python benchmarks/quality.py length       # 1x and 2x the steps, both models
-    python benchmarks/quality.py gradients    # fast path against ops in a real run
+    python benchmarks/quality.py recipe       # optimizer settings: the official code's
+                                              # (beta_2 0.95, weight decay 0.1), per-variable
+                                              # clipping instead of global
+    python benchmarks/quality.py gradients --implementation jax_cpu   # a fast path against
+                                              # ops over a real training run (same batches)
+    python benchmarks/quality.py checks       # initial scales against the official code,
+                                              # dtypes under mixed_bfloat16, what weight
+                                              # decay and clipping touch
     python benchmarks/quality.py speed        # time per training step, alternating
     python benchmarks/quality.py report       # every table from the stored runs
 
@@ -55,7 +62,16 @@ VARIANTS = {
 PAPER_405M_PPL = dict(mha=11.68, dcmha=10.83, pre_only=11.54, post_only=11.05,
                       query_wise_only=10.89, key_wise_only=10.91, projection_only=10.95,
                       gating_only=11.31, rank1=10.87)
-TABLES = ("main", "ablation", "multiplier", "lr", "heads", "length", "gradients", "speed")
+TABLES = ("main", "ablation", "multiplier", "lr", "heads", "length", "recipe", "gradients",
+          "checks", "speed")
+#: Tables that train stored runs (the others run in-process and store only their report).
+RUN_TABLES = ("main", "ablation", "multiplier", "lr", "heads", "length", "recipe")
+#: The recipe table's groups: name -> optimizer settings that differ from the command line's.
+RECIPES = {
+    "command line": {},
+    "beta_2 0.95, weight decay 0.1 (official)": dict(beta_2=0.95, weight_decay=0.1),
+    "per-variable clipnorm 1.0": dict(clipnorm=1.0, global_clipnorm=None),
+}
 MULTIPLIERS = (1.0, 1.5, 2.0, 3.0)
 
 #: Stored in every run's key: a change to any of these is a different run.
@@ -170,9 +186,9 @@ def table_runs(args, table):
     elif table == "length":
         for k in (1, 2):
             add(f"{k * args.steps} steps", steps=k * args.steps)
-    elif table == "gradients":
-        for impl in ("ops", args.implementation if args.implementation != "ops" else "auto"):
-            add(f"implementation={impl}", variant="dcmha", implementation=impl)
+    elif table == "recipe":
+        for label, over in RECIPES.items():
+            add(label, **over)
     return runs
 
 
@@ -535,9 +551,9 @@ def report(args, table, records):
             f"k = {_fmt(mm['k_mean'], '.2f')} ± {_fmt(mm['k_ci95'], '.2f')} (95% CI over "
             f"{len(mm['per_seed'])} seeds; {mm['censored']} seed(s) outside the measured "
             f"range {MULTIPLIERS[0]:g}-{MULTIPLIERS[-1]:g}x, counted at the edge)")
-    elif table == "gradients":
-        out["rows"] = gradient_rows(by_group)
-        text = "\n".join(f"{k}: {v}" for k, v in out["rows"].items())
+    elif table == "recipe":
+        for label, over in RECIPES.items():
+            add(label, **over)
     else:
         out["rows"] = paired_summary(by_group)
         text = render_paired(out["rows"], table)
@@ -549,24 +565,11 @@ def report(args, table, records):
         json.dump(out, fh, indent=1)
     with open(os.path.join(args.output, f"{table}.md"), "w") as fh:
         fh.write(text + "\n")
-    if by_group and table != "gradients":
+    if by_group:
         plot(by_group, os.path.join(args.output, f"{table}.png"),
              f"{table}: {args.layers}x{args.hidden_dim}, T={args.seq_len}, {args.corpus}")
     print(text)
     return out
-
-
-def gradient_rows(by_group):
-    """ops against the fast path, seed by seed: the largest difference of the loss curves."""
-    groups = list(by_group.values())
-    if len(groups) != 2:
-        return {"note": "needs both implementations"}
-    a = {r["config"]["seed"]: r for r in groups[0]}
-    b = {r["config"]["seed"]: r for r in groups[1]}
-    diffs = [max(abs(x - y) for x, y in zip(a[s]["val_loss"], b[s]["val_loss"]))
-             for s in sorted(set(a) & set(b))]
-    return dict(groups=list(by_group), seeds=sorted(set(a) & set(b)),
-                max_val_loss_difference=max(diffs) if diffs else None)
 
 
 # ---------------------------------------------------------------------------
@@ -612,15 +615,173 @@ def speed(args):
     return out
 
 
+# ---------------------------------------------------------------------------
+# Checks of the composition weights' training
+# ---------------------------------------------------------------------------
+
+def _write(args, name, out, text):
+    os.makedirs(args.output, exist_ok=True)
+    out["conditions"] = conditions(args, {})
+    with open(os.path.join(args.output, f"{name}.json"), "w") as fh:
+        json.dump(out, fh, indent=1)
+    print(text)
+
+
+def gradients(args):
+    """A fast path against ``ops`` over a real training run: the same model, seed and
+    batches, trained once with each implementation; the largest difference of the
+    per-step losses and of the final weights (relative to how far training moved them)."""
+    import keras
+    import numpy as np
+
+    impl = args.implementation if args.implementation not in ("auto", "ops") else None
+    if impl is None:
+        raise SystemExit("gradients: name the fast path with --implementation (jax_cpu, "
+                         "torch, tf_cpu, xla, pallas, triton)")
+    corpus = load_corpus(args.corpus)
+    seed = _ints(args.seeds or "0")[0]
+    cfg = dict(base_config(args), variant="dcmha", seed=seed)
+    x, y = training_windows(corpus[0], cfg["steps"] * cfg["batch_size"], cfg["seq_len"], seed)
+    runs = {}
+    for name in ("ops", impl):
+        c = dict(cfg, implementation=name)
+        keras.backend.clear_session()
+        model = build_model(c)
+        model.compile(optimizer=make_optimizer(c),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=False if keras.backend.backend() == "tensorflow" else "auto")
+        model.build((None, None))
+        start = [keras.ops.convert_to_numpy(v) for v in model.trainable_variables]
+        losses = []
+        for i in range(cfg["steps"]):
+            sl = slice(i * cfg["batch_size"], (i + 1) * cfg["batch_size"])
+            losses.append(float(model.train_on_batch(x[sl], y[sl])))
+        runs[name] = dict(losses=np.array(losses), start=start,
+                          end=[keras.ops.convert_to_numpy(v) for v in model.trainable_variables],
+                          paths=[v.path.split("/", 1)[1] for v in model.trainable_variables])
+    a, b = runs["ops"], runs[impl]
+    moved = max(float(np.max(np.abs(e - s))) for e, s in zip(a["end"], a["start"]))
+    weight_diff = {p: float(np.max(np.abs(e1 - e2)))
+                   for p, e1, e2 in zip(a["paths"], a["end"], b["end"])}
+    worst = max(weight_diff, key=weight_diff.get)
+    out = dict(backend=keras.backend.backend(), implementation=impl, steps=cfg["steps"],
+               seed=seed, max_loss_difference=float(np.max(np.abs(a["losses"] - b["losses"]))),
+               final_loss_ops=float(a["losses"][-1]), final_loss_fast=float(b["losses"][-1]),
+               max_weight_difference=weight_diff[worst], worst_weight=worst,
+               largest_weight_change=moved)
+    text = (f"{out['backend']}: {impl} against ops over {cfg['steps']} training steps: losses "
+            f"differ by at most {out['max_loss_difference']:.2e} (final {out['final_loss_ops']:.4f}"
+            f" / {out['final_loss_fast']:.4f}); final weights by at most "
+            f"{out['max_weight_difference']:.2e} ({worst}), where training moved a weight by up "
+            f"to {moved:.2e}")
+    _write(args, f"gradients-{keras.backend.backend()}-{impl}", out, text)
+    return out
+
+
+def checks(args):
+    """Initial scales against the official JAX code's formulas, the composition weights'
+    dtypes under ``mixed_bfloat16``, what the optimizer's weight decay and clipping touch."""
+    import keras
+    import numpy as np
+
+    cfg = dict(base_config(args), variant="dcmha", seed=0)
+    D, N = cfg["hidden_dim"], cfg["heads"]
+    M, R = N, 2                           # one group: M = N heads, rank 2
+    K = 4 * M
+    official = dict(dw1=math.sqrt(2.0 / (D + K)), qkw=math.sqrt(1.0 / K) * 2.0 / (M + R) * 0.01,
+                    dd=math.sqrt(2.0 / (D + M)) * 0.005)
+    model = build_model(cfg)
+    model.build((None, None))
+    measured = {}
+    for v in model.trainable_variables:
+        name = v.path.split("/")[-1]
+        if name in official:
+            measured.setdefault(name, []).append(float(np.std(keras.ops.convert_to_numpy(v))))
+    scales = {n: dict(official=official[n], measured_mean=float(np.mean(measured[n])),
+                      layers=len(measured[n])) for n in official}
+    # Gradient norms by group on one batch (the global norm the clipping sees).
+    corpus = load_corpus(args.corpus)
+    x, y = training_windows(corpus[0], cfg["batch_size"], cfg["seq_len"], 0)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = make_optimizer(cfg)
+    not_decayed = [v.path.split("/", 1)[1] for v in model.trainable_variables
+               if not opt._use_weight_decay(v)] if hasattr(opt, "_use_weight_decay") else None
+    grads = _gradients(model, x, y, loss_fn)
+    sq = {}
+    for v, g in zip(model.trainable_variables, grads):
+        name = v.path.split("/")[-1]
+        group = name if name in official else "other"
+        sq[group] = sq.get(group, 0.0) + float(np.sum(np.square(g)))
+    total = sum(sq.values())
+    # dtypes under mixed_bfloat16.
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        from dcmha import DCMHA
+        layer = DCMHA(num_heads=N, key_dim=D // N, num_groups=1, rank=2, seed=0)
+        xs = np.random.default_rng(0).normal(size=(2, 8, D)).astype("float32")
+        inter = layer.compute_intermediates(xs, xs, use_causal_mask=True)
+        dtypes = dict(
+            variables=sorted({f"{v.path.split('/')[-1]}: {v.dtype}" for v in layer.weights
+                              if v.path.split("/")[-1] in official}),
+            dynamic_weights=sorted({f"{k}: {t.dtype}" for d in inter["query_dynamic"].values()
+                                    for k, t in d.items()}),
+            scores=str(inter["scores"].dtype), probs=str(inter["probs"].dtype),
+            output=str(inter["output"].dtype))
+    finally:
+        keras.config.set_dtype_policy(policy)
+    out = dict(initial_scales=scales,
+               gradient_norm_share={g: dict(norm=math.sqrt(v), share_of_squared=v / total)
+                                    for g, v in sq.items()},
+               global_gradient_norm=math.sqrt(total),
+               excluded_from_weight_decay=not_decayed, mixed_bfloat16=dtypes)
+    lines = [f"initial std {n}: {s['measured_mean']:.3g} (official formula {s['official']:.3g})"
+             for n, s in scales.items()]
+    lines += [f"gradient norm {g}: {math.sqrt(v):.3g} ({100 * v / total:.1f}% of the squared "
+              f"global norm {math.sqrt(total):.3g})" for g, v in sq.items()]
+    lines.append(f"variables the optimizer does not decay: {not_decayed}")
+    lines.append(f"mixed_bfloat16: {dtypes}")
+    _write(args, "checks", out, "\n".join(lines))
+    return out
+
+
+def _gradients(model, x, y, loss_fn):
+    """NumPy gradients of the loss on one batch, in trainable_variables order."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        tv, ntv = model.trainable_variables, model.non_trainable_variables
+
+        def f(values):
+            out, _ = model.stateless_call(values, [v.value for v in ntv], x)
+            return loss_fn(y, out)
+
+        return [keras.ops.convert_to_numpy(g) for g in jax.grad(f)([v.value for v in tv])]
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x))
+        return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+    import torch
+
+    model.zero_grad()
+    loss_fn(torch.as_tensor(y), model(x)).backward()
+    return [v.value.grad.detach().cpu().numpy() for v in model.trainable_variables]
+
+
 def main(argv=None):
     args = parse(argv)
     if args.backend:
         os.environ["KERAS_BACKEND"] = args.backend     # before Keras is imported
     VAL_WINDOWS[0], EVAL_POINTS[0] = args.val_windows, args.eval_points
-    if args.table == "speed":
-        speed(args)
+    if args.table in IN_PROCESS:
+        IN_PROCESS[args.table](args)
         return 0
-    tables = [t for t in TABLES if t != "speed"] if args.table == "report" else [args.table]
+    tables = list(RUN_TABLES) if args.table == "report" else [args.table]
     train = not args.report_only and args.table != "report"
     for table in tables:
         runs = table_runs(args, table)
@@ -629,6 +790,8 @@ def main(argv=None):
             report(args, table, records)
     return 0
 
+
+IN_PROCESS = dict(speed=speed, gradients=gradients, checks=checks)
 
 if __name__ == "__main__":
     sys.exit(main())
