@@ -27,7 +27,20 @@ COMPOSE = [
      "(B, G, M, t, s)"),
 ]
 
-JAX_CHILD = r"""
+#: Both children: run a call, print whether it ran or was refused (and the message).
+REPORT = r"""
+import json
+
+def report(name, fn):
+    try:
+        fn()
+        row = {"case": name, "status": "ran", "message": ""}
+    except Exception as err:
+        row = {"case": name, "status": "refused", "message": str(err)[:2000]}
+    print(json.dumps(row), flush=True)
+"""
+
+JAX_CHILD = REPORT + r"""
 import json, sys
 import jax, jax.numpy as jnp, jaxlib, numpy as np
 from dcmha.backends import cpu_kernel
@@ -41,31 +54,24 @@ for n, fn in (("probe_forward", lib.DcmhaComposeForward), ("probe_probs", lib.Dc
     jax.ffi.register_ffi_target(n, jax.ffi.pycapsule(fn), platform="cpu")
 cases = json.loads(sys.argv[1])
 
-def report(name, fn):
-    try:
-        jax.block_until_ready(fn())
-        row = {"case": name, "status": "ran", "message": ""}
-    except Exception as err:
-        row = {"case": name, "status": "refused", "message": str(err)[:2000]}
-    print(json.dumps(row), flush=True)
-
 z = lambda shape: jnp.zeros(shape, jnp.float32)
 for name, arrays, flags, _ in cases:
     out = jax.ShapeDtypeStruct(tuple(arrays["x"]), jnp.float32)
     call = jax.ffi.ffi_call("probe_forward", out)
-    report(name, lambda: call(*(z(arrays[k]) for k in ("x", "wq", "kw1", "kw2", "kdd")),
-                              flags=np.int64(flags)))
+    report(name, lambda: jax.block_until_ready(call(
+        *(z(arrays[k]) for k in ("x", "wq", "kw1", "kw2", "kdd")), flags=np.int64(flags))))
 # the result declared smaller than x
-report("out_short", lambda: jax.ffi.ffi_call("probe_forward", jax.ShapeDtypeStruct(
-    (2,), jnp.float32))(z((1, 2, 2, 3, 4)), z((24,)), z((1,)), z((1,)), z((1,)),
-                        flags=np.int64(1)))
+report("out_short", lambda: jax.block_until_ready(jax.ffi.ffi_call(
+    "probe_forward", jax.ShapeDtypeStruct((2,), jnp.float32))(
+        z((1, 2, 2, 3, 4)), z((24,)), z((1,)), z((1,)), z((1,)), flags=np.int64(1))))
 # DecodeProbs: x (B, G, M, S) = (1, 2, 2, 5); the pre stage's qw1, qw2 (rank 3) need 24 floats
 def probs(query, kw, mask, pre_flags, has_mask=0):
     d = z((1,))
-    return jax.ffi.ffi_call("probe_probs", jax.ShapeDtypeStruct((1, 2, 2, 5), jnp.float32))(
+    out = jax.ShapeDtypeStruct((1, 2, 2, 5), jnp.float32)
+    return jax.block_until_ready(jax.ffi.ffi_call("probe_probs", out)(
         z((1, 2, 2, 5)), jnp.ones(mask, bool), z(query), z(kw), z(kw), d, d, d, d,
         pre_flags=np.int64(pre_flags), post_flags=np.int64(0), pre_rank=np.int64(3),
-        post_rank=np.int64(1), has_mask=np.int64(has_mask), masked=np.float32(-1e30))
+        post_rank=np.int64(1), has_mask=np.int64(has_mask), masked=np.float32(-1e30)))
 report("probs_query_short", lambda: probs((10,), (1,), (1,), 8))
 report("probs_kw_short", lambda: probs((1,), (1, 5, 2, 1, 1), (1,), 2))
 report("probs_mask_shape", lambda: probs((1,), (1,), (1, 7, 5), 0, has_mask=1))
@@ -76,7 +82,7 @@ JAX_EXTRA = {"out_short": "the result and g must have x's shape",
              "probs_kw_short": "kw1 and kw2 must be (B, S, G, R, M)",
              "probs_mask_shape": "mask must be (B|1, N|1, S|1)"}
 
-TF_CHILD = r"""
+TF_CHILD = REPORT + r"""
 import json, sys
 import numpy as np
 import tensorflow as tf
@@ -90,14 +96,6 @@ if path is None:
     sys.exit(0)
 module = tf.load_op_library(path)
 cases = json.loads(sys.argv[1])
-
-def report(name, fn):
-    try:
-        fn()
-        row = {"case": name, "status": "ran", "message": ""}
-    except Exception as err:
-        row = {"case": name, "status": "refused", "message": str(err)[:2000]}
-    print(json.dumps(row), flush=True)
 
 z = lambda shape: tf.zeros(shape, tf.float32)
 for name, arrays, flags, _ in cases:
