@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import reprlib
 
 import numpy as np
@@ -47,18 +46,18 @@ def label(path) -> str:
     return os.path.basename(os.fspath(path))
 
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
-_NOT_BRACKET = re.compile(rb"[^\[\]{}]")
-
-
-def json_depth(raw: bytes) -> int:
-    """How deep arrays and objects nest in JSON text (strings skipped), without parsing it:
-    linear time, so that a deeply nested file is refused before the parser recurses."""
-    brackets = _NOT_BRACKET.sub(b"", _STRING.sub(b"", raw))
-    if not brackets:
-        return 0
-    steps = np.frombuffer(brackets, np.uint8)
-    return int(np.cumsum(np.where((steps == ord("[")) | (steps == ord("{")), 1, -1)).max())
+def _nesting_exceeds(value, limit: int) -> bool:
+    """Whether arrays / objects nest more than `limit` deep in a parsed JSON value (an
+    explicit stack: linear in the value's size, no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((item, depth + 1) for item in (v.values() if isinstance(v, dict)
+                                                        else v))
+    return False
 
 
 def parse_json(raw: bytes, name: str, what: str = "JSON"):
@@ -67,19 +66,21 @@ def parse_json(raw: bytes, name: str, what: str = "JSON"):
     if len(raw) > MAX_JSON_BYTES:
         raise ValueError(f"{name}: {len(raw)} bytes of {what}; at most {MAX_JSON_BYTES} are "
                          "read.")
-    depth = json_depth(raw)
-    if depth > MAX_JSON_DEPTH:
-        raise ValueError(f"{name}: {what} nested {depth} deep; at most {MAX_JSON_DEPTH} levels "
-                         "are accepted.")
+    deep = ValueError(f"{name}: {what} nested more than {MAX_JSON_DEPTH} levels deep.")
     try:
-        return json.loads(raw.decode("utf-8"))
+        value = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
         raise ValueError(f"{name}: not UTF-8 text (byte {err.start}).") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{name}: not valid {what} ({err.msg} at line {err.lineno}, column "
                          f"{err.colno}).") from None
-    except (ValueError, RecursionError) as err:   # e.g. an integer of too many digits
+    except RecursionError:   # the parser's own depth guard (Python's recursion limit)
+        raise deep from None
+    except ValueError as err:   # e.g. an integer of too many digits
         raise ValueError(f"{name}: not valid {what} ({str(err)[:120]}).") from None
+    if _nesting_exceeds(value, MAX_JSON_DEPTH):
+        raise deep
+    return value
 
 
 def read_json(path, what: str = "JSON"):
