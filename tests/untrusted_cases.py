@@ -169,6 +169,8 @@ BIN_CASES = {
     "bin_bad_utf8": _bin(b"\x80\x02X\x02\x00\x00\x00\xff\xfe."),
     "bin_huge_long": _bin(b"\x80\x02\x8b\x00\x00\x10\x00" + b"\x01" * (1 << 20) + b"."),
     "bin_memo_missing": _bin(b"\x80\x02h\x05."),
+    "bin_many_values": _bin(b"\x80\x02" + b"]0" * ((1 << 18) + 8) + b"N."),
+    "bin_long_stack": _bin(b"\x80\x02" + b"N" * ((1 << 18) + 8) + b"."),
     "bin_stack_underflow": _bin(b"\x80\x02s."),
     "bin_reduce_bad_args": _bin(state_dict_pickle(
         p_str("w") + b"ctorch._utils\n_rebuild_tensor_v2\n"
@@ -270,6 +272,7 @@ DIR_CASES = {
     "config_string_size": _release_dir(config={"n_head": "4"}),
     "config_long_value": _release_dir(config={"window_type": "LX" * 1_000_000}),
     "config_huge_int": _release_dir(config=b'{"n_layer": ' + b"9" * 5000 + b"}"),
+    "config_escaped_quotes": _release_dir(config=b'{"a": "' + b'\\"' * 2_000_000),
     "index_not_json": _release_dir(index=b"\x00\x01"),
     "index_no_weight_map": _release_dir(index={"metadata": {}}),
     "index_shard_not_string": _release_dir(index={"weight_map": {"w": 3}}),

@@ -13,6 +13,7 @@ against the archive's size (a cap on how much they may inflate).
 from __future__ import annotations
 
 import collections
+import gc
 import math
 import os
 import re
@@ -39,6 +40,10 @@ INFLATE_RATIO, INFLATE_SLACK = 16, 1 << 20
 REBUILD_RATIO = 8
 #: The deepest nesting of tuples, lists and dicts, and the most pickle stack marks.
 MAX_NESTING = 32
+#: The largest data.pkl read, and the most values its pickle may hold at once on its stack
+#: or in its memo, or build as containers (about 13 per tensor: a state dict of up to 20k
+#: tensors; the official 7B checkpoints hold about 600).
+MAX_PICKLE_BYTES, MAX_VALUES = 64 << 20, 1 << 18
 _KEY = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 
 
@@ -176,6 +181,7 @@ class _PickleMachine:
     def __init__(self, data: bytes, reader: _Reader):
         self.data, self.reader, self.pos = data, reader, 0
         self.stack, self.marks, self.memo, self.depth = [], [], {}, {}
+        self.made = 0    # containers built and memo entries written: at most MAX_VALUES
 
     def fail(self, message):
         self.reader.fail(f"{message} (data.pkl, byte {self.pos})")
@@ -219,9 +225,16 @@ class _PickleMachine:
         items, self.stack[at:] = self.stack[at:], []
         return items
 
+    def count(self):
+        self.made += 1
+        if self.made > MAX_VALUES:
+            self.fail(f"the pickle builds more than {MAX_VALUES} values")
+
     def nest(self, container, items):
         """Record container's depth (1 + its deepest item's) and refuse deep nesting. The
         table keeps each container alive, so that an id is never reused while listed."""
+        if id(container) not in self.depth:
+            self.count()
         deepest = max((self.depth.get(id(v), (None, 0))[1] for v in items), default=0)
         d = max(self.depth.get(id(container), (None, 1))[1], deepest + 1)
         if d > MAX_NESTING:
@@ -287,9 +300,23 @@ class _PickleMachine:
     def put(self, key):
         if not self.stack:
             self.fail("the pickle stack is empty")
+        if key not in self.memo:
+            self.count()
         self.memo[key] = self.stack[-1]
 
     def load(self):
+        """The pickle's value. The cyclic garbage collector is paused meanwhile: it would
+        walk the containers kept in the depth table again and again (they hold no cycles
+        that need it)."""
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run()
+        finally:
+            if paused:
+                gc.enable()
+
+    def _run(self):
         ops = self._ops()
         while True:
             code = self.take(1)[0]
@@ -300,6 +327,8 @@ class _PickleMachine:
                 self.pos -= 1
                 self.fail(f"unsupported pickle opcode 0x{code:02x}")
             op()
+            if len(self.stack) > MAX_VALUES:
+                self.fail(f"more than {MAX_VALUES} values on the pickle stack")
 
     def _ops(self) -> dict:
         s, push = self.stack, self.stack.append
@@ -329,22 +358,26 @@ class _PickleMachine:
 
         def new_dict():
             d = {}
+            self.count()
             self.depth[id(d)] = (d, 1)
             push(d)
 
         def new_list():
             lst = []
+            self.count()
             self.depth[id(lst)] = (lst, 1)
             push(lst)
 
         def dict_from_mark():
             d = {}
+            self.count()
             self.depth[id(d)] = (d, 1)
             self.set_items(d, self.pop_mark())
             push(d)
 
         def list_from_mark():
             lst = []
+            self.count()
             self.depth[id(lst)] = (lst, 1)
             self.append(lst, self.pop_mark())
             push(lst)
@@ -437,6 +470,9 @@ def read_torch_bin(path) -> dict:
             if order.strip() != "little":
                 reader.fail(f"byte order {short(order.strip())}; only little-endian is "
                             "supported.")
+        size = archive.getinfo(prefix + "data.pkl").file_size
+        if size > MAX_PICKLE_BYTES:
+            reader.fail(f"data.pkl holds {size} bytes; at most {MAX_PICKLE_BYTES} are read.")
         result = _PickleMachine(reader.read_record(prefix + "data.pkl"), reader).load()
     if not isinstance(result, dict):
         raise ValueError(f"{name}: holds a {type(result).__name__}, not a state dict.")
