@@ -47,9 +47,15 @@ def _module_class():
             self._non_trainable = [v.value.detach() for v in model.non_trainable_variables]
 
         def forward(self, *args, training=True, **kwargs):
-            """The model's outputs for ``args`` from the current parameters."""
-            trainable = [p.full_tensor() if hasattr(p, "full_tensor") else p
-                         for p in self.weights_]
+            """The model's outputs for ``args`` from the current parameters.
+
+            The layers read a fresh view of each parameter: FSDP gathers the weights into
+            the same tensors at every forward without bumping their version counters, so a
+            cache keyed by a tensor's identity and version (the fused decoding projection
+            of ``dcmha.backends.torch_native.decode``) would otherwise serve the weights of
+            before an optimizer step."""
+            whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.weights_]
+            trainable = [w.view_as(w) for w in whole]
             out, non_trainable = self.keras_model.stateless_call(
                 trainable, self._non_trainable, *args, training=training, **kwargs)
             self._non_trainable = [v.detach() for v in non_trainable]
