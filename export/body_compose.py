@@ -185,4 +185,3 @@ class Composition(BodyState):
             offsets = (e.const(0, TensorProto.INT64), e.const(0, TensorProto.INT64))
         return e.op(f"Probs{stages[0][0]}_{stages[1][0]}", x, bias, *offsets, *stages[0][1],
                     *stages[1][1], domain=DOMAIN)
-

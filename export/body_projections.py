@@ -201,4 +201,3 @@ class Projections(BodyState):
                 entries["key_dd"] = e.cast(e.op("Transpose", e.op("Gather", g, at, axis=3),
                                                  perm=[0, 1, 3, 2, 4]), self.dyn_type, self.ft)
         return out if packed is None else (out, entries)
-

@@ -41,4 +41,3 @@ class BodyState:
     def c(self, value, dtype=None):
         """A Constant node holding ``value`` in ``dtype`` (default: the compute dtype)."""
         return self.e.const(value, self.ft if dtype is None else dtype)
-

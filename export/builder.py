@@ -220,4 +220,3 @@ def export_layer(cfg: ref.Config, params: Mapping[str, np.ndarray], call: CallSp
             b.add_output(outs[n], n, dt, [None] * (4 if not n.startswith("dynamic/") else
                                                    (4 if n.endswith("dd") else 5)))
     return b.build(doc="One DCMHA call (dcmha.export).")
-

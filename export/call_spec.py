@@ -96,7 +96,6 @@ def check_params(cfg: ref.Config, params: Mapping[str, np.ndarray]) -> Tuple[int
     return D_q, D_kv, D_out
 
 
-
 def function_inputs(cfg: ref.Config, call: CallSpec, weight_names: Sequence[str]) -> List[str]:
     ins = ["query"]
     if call.decode:

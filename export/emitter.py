@@ -54,7 +54,6 @@ class Emitter:
         return self.op("Squeeze", self.dims(x, axis, axis + 1), self.i64(0))
 
 
-
 def rename_value(nodes: Sequence[onnx.NodeProto], old: str, new: str) -> bool:
     """Rename the value ``old`` to ``new`` where ``nodes`` produce and read it (in
     subgraphs too). False, changing nothing, when no node of ``nodes`` produces it."""
