@@ -76,7 +76,8 @@ class _Storage:
 
 
 class _Tensor:
-    """What the allow-listed rebuild functions return: the array and who built it."""
+    """A tensor rebuilt by the allow-listed functions (its NumPy array): what every value of
+    a state dict must be, told apart from any other value the pickle builds."""
 
     def __init__(self, array):
         self.array = array
@@ -98,7 +99,7 @@ class _Reader:
             return self.archive.read(record)
         except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError,
                 RuntimeError) as err:
-            self.fail(f"record {record!r} cannot be read ({type(err).__name__}: "
+            self.fail(f"record {short(record)} cannot be read ({type(err).__name__}: "
                       f"{str(err)[:120]}).")
 
     def storage(self, pid) -> _Storage:
