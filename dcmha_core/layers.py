@@ -17,6 +17,7 @@ import numpy as np
 import keras
 from keras import ops
 
+from dcmha import backend as seam
 from dcmha import ops as dops
 from dcmha.call import shape_of as _shape
 from dcmha.spec import reference as spec
@@ -44,23 +45,10 @@ def readable_value(x):
 
     None inside ``jax.jit`` (a tracer), a ``tf.function`` (a symbolic tensor),
     ``torch.compile`` / ``torch.export`` / a TorchScript trace (where reading
-    would bake the value or break the graph) and for torch "meta" tensors.
+    would bake the value or break the graph) and for torch "meta" tensors
+    (``dcmha.backend.readable_value``).
     """
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-        if isinstance(x, jax.core.Tracer):
-            return None
-    elif backend == "tensorflow":
-        import tensorflow as tf
-        if tf.is_tensor(x) and (tf.is_symbolic_tensor(x) or not tf.executing_eagerly()):
-            return None
-    elif backend == "torch":
-        import torch
-        if (torch.compiler.is_compiling() or torch.jit.is_tracing()
-                or (isinstance(x, torch.Tensor) and x.device.type == "meta")):
-            return None
-    return np.asarray(ops.convert_to_numpy(x))
+    return seam.readable_value(x)
 
 
 #: int32 [start, stop), also for an exporter's symbolic length (``dcmha.ops.arange_int32``).
@@ -169,38 +157,6 @@ def _call_flag(name, value, traced_ok=False):
         raise ValueError(f"`{name}` must be a boolean or a boolean scalar tensor. Received: "
                          f"{name} of shape {tuple(value.shape)} and dtype {dtype}")
     raise ValueError(f"`{name}` must be a boolean. Received: {name}={value!r}")
-
-
-def _on_keras_device(*values):
-    """``values`` with every torch tensor among them (and in a cache dict) on Keras's device.
-
-    Torch only: Keras's own layers accept a CPU tensor when the layer's weights live on the
-    GPU (``convert_to_tensor`` moves it); so does DCMHA. The first value (``query``) is
-    converted, which gives the device; the others move only when they are elsewhere, so a
-    call whose tensors are all in place pays a few device comparisons. A value given twice
-    (self-attention's ``query`` and ``key``) stays one object. Other backends place arrays
-    themselves, so their values come back unchanged.
-    """
-    if keras.backend.backend() != "torch":
-        return values
-    import torch
-
-    first = values[0]
-    if not isinstance(first, torch.Tensor):
-        return values
-    converted = ops.convert_to_tensor(first)
-    device = converted.device
-
-    def one(x):
-        if x is first:
-            return converted
-        if isinstance(x, dict):
-            return {k: one(v) for k, v in x.items()}
-        if isinstance(x, torch.Tensor) and x.device != device:
-            return ops.convert_to_tensor(x)
-        return x
-
-    return tuple(one(x) for x in values)
 
 
 def _mask_tensor(mask):
@@ -370,6 +326,8 @@ class DynamicWeightProjection(keras.layers.Layer):
                  dynamic_projection=True, dynamic_gating=True, gelu_approximate=True,
                  seed=None, **kwargs):
         super().__init__(**kwargs)
+        # Per-position weights: it takes the inputs' Keras masks and passes none on.
+        self.supports_masking = True
         slots = tuple(slots)
         unknown = [s for s in slots if s not in spec.ALL_SLOTS]
         if not slots or unknown:
@@ -1110,28 +1068,8 @@ class DCMHA(keras.layers.Layer):
 
     @staticmethod
     def _dynamic_weights(projection, x, slots=None):
-        """A built ``DynamicWeightProjection``'s weights for ``x`` through its ``call``,
-        with the input cast ``__call__`` would make (its compute dtype): Keras's
-        per-call machinery costs about 0.1 ms per decoding step in eager PyTorch, and
-        the sublayer has nothing else for it to do (float32 weights, no mask)."""
-        if not projection.built:
-            return projection(x, slots=slots)
-        return projection.call(dops.as_dtype(x, projection.compute_dtype), slots=slots)
-
-    def _fused_query(self, query):
-        """(The query projection (B, L, N, d) float32, before QK-norm and RoPE; every
-        slot's dynamic weights) of a self-attention call from one matrix product
-        (``dops.fused_query_projection``: eager PyTorch on the CPU, a decoding step), or
-        None: then the projection and the dynamic weights are computed apart. Only a plain
-        float32 query projection takes it (no LoRA, not quantised)."""
-        dense, proj = self._query_dense, self.dynamic_projection_layer
-        if (not proj.built or dense.lora_enabled or dense.quantization_mode is not None
-                or dense.compute_dtype != "float32"
-                or dense.activation not in (None, keras.activations.linear)):
-            return None
-        return dops.fused_query_projection(
-            query, dense.kernel, dense.bias, proj.dw1, proj.qkw, proj.dd, slots=proj.slots,
-            rank=proj.rank, gelu_approximate=proj.gelu_approximate)
+        """A ``DynamicWeightProjection``'s weights for ``x`` (its call, through the seam)."""
+        return seam.call_sublayer(projection, x, slots=slots)
 
     @staticmethod
     def _project(dense, x):
@@ -1209,8 +1147,8 @@ class DCMHA(keras.layers.Layer):
         key = value if key is None else key
         self_attention = key is query
         query, value, key, attention_mask, query_mask, value_mask, key_mask, cache = \
-            _on_keras_device(query, value, key, attention_mask, query_mask, value_mask,
-                             key_mask, cache)
+            seam.to_layer_device((query, value, key, attention_mask, query_mask, value_mask,
+                                  key_mask, cache))
         self._check_inputs(query, value, key)
         causal = _call_flag("use_causal_mask", use_causal_mask, traced_ok=True)
         layout = self._layout
@@ -1244,7 +1182,7 @@ class DCMHA(keras.layers.Layer):
         read_only = cache is not None and cache_update_index is None
         fused = None                     # (projected query, dynamic weights) from one product
         if self_attention and not read_only and self._slots and not c.cross_attention:
-            fused = self._fused_query(query)
+            fused = seam.fused_query(self._query_dense, self.dynamic_projection_layer, query)
         q = self._project(self._query_dense, query) if fused is None else fused[0]
         q = self._qk(q, qscale, q_pos)
         dynamic = self._dynamic_weights

@@ -26,6 +26,7 @@ import numpy as np
 import keras
 from keras import ops
 
+from dcmha import backend as seam
 from dcmha import checkpoints
 from dcmha.checkpoints import official_intermediate_size
 from dcmha.layers import DCMHA, readable_value
@@ -79,41 +80,6 @@ def _check_token_range(ids, vocab_size):
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"`token_ids` must be in [0, vocab_size) = [0, {vocab_size}). "
                          f"Received: token_ids with min={ids.min()}, max={ids.max()}")
-
-
-def _register_torch_onnx_rms_norm():
-    """Teach torch's TorchScript ONNX exporter ``aten::rms_norm``.
-
-    Keras's RMSNormalization calls ``torch.nn.functional.rms_norm`` on torch,
-    and Keras's ONNX export of a model with dynamic sizes goes through the
-    TorchScript exporter (opsets <= 20), which has no translation for it. This
-    one is x / sqrt(mean(x^2 over the normalized axes) + eps) * weight from
-    ONNX primitives; registered at opset 1, it serves every opset >= 9.
-    Registering again replaces it (idempotent).
-    """
-    import torch
-    from torch.onnx import symbolic_helper
-
-    @symbolic_helper.parse_args("v", "v", "v", "f")
-    def rms_norm(g, x, normalized_shape, weight, eps):
-        node = normalized_shape.node()
-        if node.kind() == "prim::ListConstruct":   # sizes read from the traced input
-            rank = node.inputsSize()
-        else:                                      # a constant list
-            rank = len(symbolic_helper._get_const(normalized_shape, "is", "normalized_shape"))
-        axes = list(range(-rank, 0))
-        square = g.op("Mul", x, x)
-        if g.opset >= 18:   # ReduceMean takes its axes as an input from opset 18 on
-            mean = g.op("ReduceMean", square,
-                        g.op("Constant", value_t=torch.tensor(axes, dtype=torch.int64)),
-                        keepdims_i=1)
-        else:
-            mean = g.op("ReduceMean", square, axes_i=axes, keepdims_i=1)
-        eps = g.op("Constant", value_t=torch.tensor(eps, dtype=torch.float32))
-        y = g.op("Div", x, g.op("Sqrt", g.op("Add", mean, eps)))
-        return y if weight.node().mustBeNone() else g.op("Mul", y, weight)
-
-    torch.onnx.register_custom_op_symbolic("aten::rms_norm", rms_norm, 1)
 
 
 def serialize_arguments(arguments):
@@ -626,9 +592,9 @@ class DCFormerLM(keras.Model):
 
         Without `input_signature` the artifact takes one int32 (B, T) input
         "token_ids" with B and T dynamic (Keras alone would take T from the
-        first call and a float dtype from the policy). ONNX on torch first
-        teaches the TorchScript exporter `aten::rms_norm` (Keras's RMSNorm on
-        torch; see `_register_torch_onnx_rms_norm`). Exports the forward pass
+        first call and a float dtype from the policy). The backend prepares its
+        exporter first (``dcmha.backend.prepare_export``: on torch, ONNX's
+        TorchScript exporter learns `aten::rms_norm`). Exports the forward pass
         without a cache: token_ids -> logits (B, T, V).
         """
         if not self.built:
@@ -636,8 +602,7 @@ class DCFormerLM(keras.Model):
         if input_signature is None:
             input_signature = [keras.InputSpec(shape=(None, None), dtype="int32",
                                                name="token_ids")]
-        if format == "onnx" and keras.backend.backend() == "torch":
-            _register_torch_onnx_rms_norm()
+        seam.prepare_export(format)
         return super().export(filepath, format=format, verbose=verbose,
                               input_signature=input_signature, **kwargs)
 
@@ -661,65 +626,9 @@ class DCFormerLM(keras.Model):
 
     def _decode_function(self):
         """(tokens, cache, index) -> (last logits (B, V) float32, cache), compiled
-        where that pays: one XLA program on jax (the cache argument donated), a
-        tf.function on tensorflow (one for the prompt, one for one-token steps).
-        The index is a tensor there, so that every step has the same shapes. On
-        torch the step runs eagerly under ``torch.no_grad()``."""
-        backend = keras.backend.backend()
-        if backend == "jax":
-            # The jitted step is kept (compiled once per shape); the variable
-            # values are read at every call of generate, as training may change them.
-            if getattr(self, "_jax_decode_step", None) is None:
-                import jax
-
-                def jax_step(trainable, non_trainable, tokens, cache, index):
-                    (logits, cache), _ = self.stateless_call(
-                        trainable, non_trainable, tokens, cache=cache, cache_update_index=index)
-                    return ops.cast(logits[:, -1, :], "float32"), cache
-
-                # generate hands each cache to one step only: donating it lets XLA
-                # write the new position in place instead of copying every entry.
-                self._jax_decode_step = jax.jit(jax_step, donate_argnums=(3,))
-            tv = [v.value for v in self.trainable_variables]
-            ntv = [v.value for v in self.non_trainable_variables]
-            return lambda tokens, cache, index: self._jax_decode_step(tv, ntv, tokens, cache,
-                                                                      index)
-        if backend == "tensorflow":
-            if getattr(self, "_tf_decode_step", None) is None:
-                import tensorflow as tf
-
-                def tf_step(tokens, cache, index):
-                    logits, cache = self.call_with_cache(tokens, cache, index)
-                    return ops.cast(logits[:, -1, :], "float32"), cache
-
-                # One function for the prompt and one for the one-token steps:
-                # relaxed to a free length, a shared trace would lose T = 1, which
-                # the attention core's one-query path needs to know statically.
-                self._tf_decode_step = tuple(
-                    tf.function(tf_step, reduce_retracing=True, autograph=False)
-                    for _ in range(2))
-            prefill, one = self._tf_decode_step
-            return lambda tokens, cache, index: (one if tokens.shape[1] == 1 else prefill)(
-                tokens, cache, index)
-
-        def last(logits):
-            return ops.cast(logits[:, -1, :], "float32")
-
-        def step(tokens, cache, index):
-            logits, cache = self.call_with_cache(tokens, cache, index)
-            return last(logits), cache
-
-        if backend == "torch":
-            import torch
-
-            def no_grad_step(tokens, cache, index):
-                # Generation records no gradient: without this every eager op of a step
-                # would build autograd state (and the compiled kernels, which record
-                # none, would be passed over).
-                with torch.no_grad():
-                    return step(tokens, cache, index)
-            return no_grad_step
-        return step
+        where that pays (``dcmha.backend.decode_step``); ``generate`` gives it the
+        index as ``dcmha.backend.step_index`` makes it."""
+        return seam.decode_step(self)
 
     def generate(self, token_ids, max_new_tokens, temperature=0.0, seed=None):
         """Continue `token_ids` (B, T) by `max_new_tokens` tokens.
@@ -757,11 +666,7 @@ class DCFormerLM(keras.Model):
         step = self._decode_function()
         rng = keras.random.SeedGenerator(seed) if temperature > 0 else None
 
-        def index(i):
-            # A tensor keeps the compiled steps' shapes fixed (jax, tensorflow); eager
-            # torch takes the int as is (the layer would read a tensor back to one).
-            return i if keras.backend.backend() == "torch" else ops.convert_to_tensor(np.int32(i))
-
+        index = seam.step_index
         cache = self.init_cache(B, T + max_new_tokens)
         last, cache = step(ops.convert_to_tensor(ids), cache, index(0))      # prefill
         out = [ids]

@@ -34,6 +34,7 @@ import numpy as np
 import keras
 from keras import ops
 
+from dcmha import backend as seam
 from dcmha import call as dcall
 from dcmha import registry
 from dcmha.call import _fits  # shape matches; None (unknown / free) matches anything
@@ -66,7 +67,8 @@ def rms_normalize(x, eps, scale=None):
 _DTYPE_NAMES = {}
 
 
-def _dtype_name(dtype):
+def dtype_name(dtype):
+    """Keras's name of a dtype object (cached)."""
     try:
         return _DTYPE_NAMES[dtype]
     except (KeyError, TypeError):            # TypeError: an unhashable dtype object
@@ -83,46 +85,29 @@ def as_dtype(x, dtype):
     changes nothing costs a Keras op per call in eager PyTorch: a decoding step has
     dozens of them). Anything but a backend tensor (a ``keras.Variable``, a NumPy array)
     is always cast: callees get a backend tensor."""
-    if keras.ops.is_tensor(x) and _dtype_name(x.dtype) == dtype:
+    if keras.ops.is_tensor(x) and dtype_name(x.dtype) == dtype:
         return x
     return ops.cast(x, dtype)
 
 
-def _eager_torch(*arrays):
-    """PyTorch's module when every array is an eager torch tensor (Keras's torch
-    backend, outside ``torch.compile``), else None. The hot paths of a decoding step
-    then call PyTorch directly: a ``keras.ops`` call costs about twice the PyTorch op
-    it wraps (argument conversions), and a step is dispatch-bound."""
-    if keras.backend.backend() != "torch":
-        return None
-    import torch
-    if torch.compiler.is_compiling() or not all(isinstance(a, torch.Tensor) for a in arrays):
-        return None
-    return torch
-
-
 def stack(arrays, axis):
-    """``ops.stack``; eager PyTorch calls ``torch.stack`` (see ``_eager_torch``)."""
-    torch = _eager_torch(*arrays)
-    return torch.stack(list(arrays), axis) if torch else ops.stack(arrays, axis=axis)
+    """``ops.stack`` (the backend's own op where that is cheaper: ``dcmha.backend``)."""
+    return seam.stack(arrays, axis)
 
 
 def unstack(x, axis, num):
-    """The ``num`` slices of x along ``axis``: ``ops.unstack``; eager PyTorch takes
-    ``unbind``'s views (see ``_eager_torch``)."""
-    return x.unbind(axis) if _eager_torch(x) else ops.unstack(x, num=num, axis=axis)
+    """The ``num`` slices of x along ``axis``: ``ops.unstack`` (the backend's own views
+    where that is cheaper: ``dcmha.backend``)."""
+    return seam.unstack(x, axis, num)
 
 
 def write_slice(entry, index, update):
     """``entry`` with ``update`` written at [:, index:index + n] (a new tensor; ``entry``
-    is unchanged), cast to ``entry``'s dtype: ``ops.slice_update``. In eager PyTorch
-    with a Python int index, it does the same clone and assignment as Keras's own but
-    without Keras's per-op conversions (a decoding step writes eight cache entries per
-    layer)."""
-    update = as_dtype(update, _dtype_name(entry.dtype))
-    if isinstance(index, (int, np.integer)) and _eager_torch(entry, update) is not None:
-        out = entry.clone()
-        out[:, int(index):int(index) + update.shape[1]] = update
+    is unchanged), cast to ``entry``'s dtype: ``ops.slice_update``, or the backend's own
+    eager write (``dcmha.backend.eager_slice_write``)."""
+    update = as_dtype(update, dtype_name(entry.dtype))
+    out = seam.eager_slice_write(entry, index, update)
+    if out is not None:
         return out
     start = [0, index] + [0] * (len(entry.shape) - 2)
     return ops.slice_update(entry, start, update)
@@ -134,45 +119,17 @@ def cache_writer(index, new_length, batch):
     new_length] (a new tensor; ``entry`` is unchanged), cast to ``entry``'s dtype.
 
     ``index`` must be in [0, S_max - new_length] (the layer checks a known index and
-    clamps a traced one). On TensorFlow the writes are ``tensor_scatter_nd_update`` on
-    indices built once for all of a step's entries: TensorFlow runs ``slice_update``
-    (``XlaDynamicUpdateSlice``) through XLA's op-by-op path, which copies the entry and
-    costs about 20 us more per write in a graph, and a DCMHA decoding step writes up to
-    eight entries per layer. On the other backends each write is ``write_slice``.
+    clamps a traced one). A backend may build the writes once for all of a step's
+    entries (``dcmha.backend.cache_writer``); otherwise each write is ``write_slice``.
     """
-    if keras.backend.backend() != "tensorflow":
-        return lambda entry, update: write_slice(entry, index, update)
-    import tensorflow as tf
-    index = tf.cast(index, tf.int32)
-    if isinstance(batch, int) and isinstance(new_length, int):
-        # (b, t) for every row as a constant, shifted by (0, index): two graph ops.
-        grid = np.stack(np.meshgrid(np.arange(batch), np.arange(new_length), indexing="ij"),
-                        axis=-1).astype(np.int32)
-        positions = grid + tf.stack([0, index])                            # (B, T, 2)
-    else:
-        rows = tf.range(new_length, dtype=tf.int32) + index                # (T,)
-        grid = tf.meshgrid(tf.range(batch, dtype=tf.int32), rows, indexing="ij")
-        positions = tf.stack(grid, axis=-1)                                # (B, T, 2)
-
-    def write(entry, update):
-        return tf.tensor_scatter_nd_update(entry, positions,
-                                           as_dtype(update, _dtype_name(entry.dtype)))
-    return write
+    writer = seam.cache_writer(index, new_length, batch)
+    return writer or (lambda entry, update: write_slice(entry, index, update))
 
 
 def arange_int32(start, stop):
-    """int32 [start, stop), also when ``stop - start`` is an exporter's symbolic size.
-
-    Under Keras's ONNX export on jax (jax2onnx), ``arange`` of a symbolic length
-    gives an array whose size broadcasts with nothing (and a one-argument
-    ``arange`` fails outright); a cumulative sum of ones has the same values
-    and a proper symbolic size. Elsewhere this is ``ops.arange``.
-    """
-    length = stop - start
-    if (keras.backend.backend() == "jax" and not isinstance(length, (int, np.integer))
-            and not hasattr(length, "dtype")):
-        return ops.cumsum(ops.ones((length,), dtype="int32")) - 1 + start
-    return ops.arange(start, stop, dtype="int32")
+    """int32 [start, stop), also when ``stop - start`` is an exporter's symbolic size
+    (``dcmha.backend.arange_int32``)."""
+    return seam.arange_int32(start, stop)
 
 
 def rope(x, positions, max_wavelength):
@@ -223,19 +180,13 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
     if check:
         _check_dynamic_args(x, dw1, qkw, dd, slots, rank)
     weights = [w.value if isinstance(w, keras.Variable) else w for w in (dw1, qkw, dd)]
-    torch = _eager_torch(x, *(w for w in weights if w is not None))
     C = len(slots)
-    if torch is not None:
-        stacked = _dynamic_weights_torch(torch, x, *weights, C=C, rank=rank,
-                                         gelu_approximate=gelu_approximate)
-        split = {n: a.unbind(3) for n, a in stacked.items()}
-    else:
-        split = _step_kernel_dynamic_weights(x, *weights, C=C, rank=rank,
-                                             gelu_approximate=gelu_approximate)
-        if split is None:
-            stacked = plain_dynamic_weights(x, dw1, qkw, dd, C=C, rank=rank,
-                                            gelu_approximate=gelu_approximate)
-            split = {n: ops.unstack(a, C, axis=3) for n, a in stacked.items()}
+    split = seam.step_dynamic_weights(x, *weights, C=C, rank=rank,
+                                      gelu_approximate=gelu_approximate)
+    if split is None:
+        stacked = plain_dynamic_weights(x, dw1, qkw, dd, C=C, rank=rank,
+                                        gelu_approximate=gelu_approximate)
+        split = {n: ops.unstack(a, C, axis=3) for n, a in stacked.items()}
     return _by_slot(split, slots)
 
 
@@ -251,28 +202,20 @@ def _by_slot(split, slots):
 def fused_query_projection(x, kernel, bias, dw1, qkw, dd, *, slots, rank,
                            gelu_approximate=True):
     """A decoding step's query projection and ``dynamic_weights`` from one matrix product
-    of x (B, L, D) with [kernel | dw1 | dd], where the backend has it (eager PyTorch on the
-    CPU, a few rows, float32: ``dcmha.backends.torch_native.decode.fused_projection``),
-    else None.
+    of x (B, L, D) with [kernel | dw1 | dd], where the backend has it
+    (``dcmha.backend.fused_query_projection``), else None.
 
     kernel (D, N, d), bias (N, d) or None: the query projection (``EinsumDense``'s
     weights). Returns (x . kernel + bias as (B, L, N, d) float32, ``dynamic_weights``'
     dict)."""
     weights = [w.value if isinstance(w, keras.Variable) else w
                for w in (kernel, bias, dw1, qkw, dd)]
-    torch = _eager_torch(x, *(w for w in weights if w is not None))
-    fast = None if torch is None else _step_dynamic_weights("torch", "fused_projection")
-    if fast is None:
-        return None
-    B, L, D = x.shape
-    out = fast(x.reshape(B * L, D), *weights, C=len(slots), rank=rank,
-               gelu_approximate=gelu_approximate, eps=W1_NORM_EPS)
+    out = seam.fused_query_projection(x, *weights, C=len(slots), rank=rank,
+                                      gelu_approximate=gelu_approximate)
     if out is None:
         return None
     q, stacked = out
-    return (q.reshape(B, L, *weights[0].shape[1:]),
-            _by_slot({n: a.reshape(B, L, *a.shape[1:]).unbind(3) for n, a in stacked.items()},
-                     slots))
+    return q, _by_slot({n: seam.unstack(a, 3, len(slots)) for n, a in stacked.items()}, slots)
 
 
 def plain_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
@@ -293,90 +236,6 @@ def plain_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
         dd4 = ops.reshape(as_dtype(dd, "float32"), (D, G, C, CM // C))
         out["dd"] = ops.tanh(ops.einsum("bld,dgcm->blgcm", x, dd4))
     return out
-
-
-#: Elements of a broadcast product below which it replaces a small bmm (PyTorch's
-#: grain size for parallel elementwise work is 32768).
-_SMALL_PRODUCT = 1 << 16
-
-
-def _dynamic_weights_torch(torch, x, dw1, qkw, dd, *, C, rank, gelu_approximate):
-    """``plain_dynamic_weights`` in eager PyTorch (the RMS norm of w1 written out:
-    ``rms_normalize`` is ``keras.ops``): the same arithmetic as two matmuls with x
-    and, for qkw, a broadcast product when it is small (a decoding step) or a bmm (a
-    ``keras.ops.einsum`` costs about five times a small ``torch.matmul`` here, and a
-    small ``torch.bmm`` enters an OpenMP parallel region whatever its size: 80 us with
-    ``OMP_WAIT_POLICY=PASSIVE``; the product's (B L, G C, K, 2 R M) temporary is only
-    worth it while small)."""
-    B, L, D = x.shape
-    x2 = x.to(torch.float32).reshape(B * L, D)
-    fast = _step_dynamic_weights("torch")
-    out = None if fast is None else fast(x2, dw1, qkw, dd, C=C, rank=rank,
-                                         gelu_approximate=gelu_approximate, eps=W1_NORM_EPS)
-    if out is not None:                      # (B L, G, C, ...) -> (B, L, G, C, ...)
-        return {n: a.reshape(B, L, *a.shape[1:]) for n, a in out.items()}
-    out = {}
-    if dw1 is not None:
-        G, K = dw1.shape[1], dw1.shape[3]
-        h = torch.nn.functional.gelu(x2 @ dw1.to(torch.float32).reshape(D, G * C * K),
-                                     approximate="tanh" if gelu_approximate else "none")
-        M = qkw.shape[-1]
-        q2 = qkw.to(torch.float32).reshape(G * C, K, 2 * rank * M)
-        h = h.reshape(B * L, G * C, K)
-        if B * L * G * C * K * 2 * rank * M <= _SMALL_PRODUCT:
-            w = (h[..., None] * q2).sum(2)                                 # sum over K
-        else:
-            w = torch.bmm(h.transpose(0, 1), q2).transpose(0, 1)          # (BL, GC, 2RM)
-        w = w.reshape(B, L, G, C, 2 * rank, M)
-        w1 = w[..., :rank, :]
-        out["w1"] = w1 * torch.rsqrt(w1.square().mean(-1, keepdim=True) + W1_NORM_EPS)
-        out["w2"] = w[..., rank:, :]
-    if dd is not None:
-        G, CM = dd.shape[1], dd.shape[2]
-        g = torch.tanh(x2 @ dd.to(torch.float32).reshape(D, G * CM))
-        out["dd"] = g.reshape(B, L, G, C, CM // C)
-    return out
-
-
-#: The implementation whose module may provide ``dynamic_weights`` (a compiled kernel for a
-#: decoding step's few rows), per Keras backend; each function is found once.
-_STEP_DYNAMIC_OWNERS = {"torch": "torch_decode", "tensorflow": "tf_cpu"}
-_STEP_DYNAMIC: dict = {}
-
-
-def _step_dynamic_weights(backend, name="dynamic_weights"):
-    """``backend``'s kernel for a decoding step's dynamic weights (the function ``name`` of
-    the module of ``_STEP_DYNAMIC_OWNERS[backend]``, through the registry), or None.
-
-    Its signature: (x, dw1, qkw, dd, *, C, rank, gelu_approximate, eps), None where it
-    cannot run (too many rows, no kernel, a gradient it does not record...). torch's
-    takes x2 (BL, D) and returns ``plain_dynamic_weights``' arrays with (BL,) for (B,
-    L); tensorflow's takes x (B, L, D) and returns them split into their C slots
-    ({name: [C arrays (B, L, G, ...)]}: its op writes each slot's array, so a graph has
-    no reshape or unstack op after it)."""
-    if (backend, name) not in _STEP_DYNAMIC:
-        from dcmha import registry
-        impl = registry.implementations().get(_STEP_DYNAMIC_OWNERS.get(backend, ""))
-        try:
-            module = impl.load() if impl is not None else None
-        except ImportError:
-            module = None
-        _STEP_DYNAMIC[backend, name] = getattr(module, name, None)
-    return _STEP_DYNAMIC[backend, name]
-
-
-def _step_kernel_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
-    """``plain_dynamic_weights``' arrays split into their C slots ({name: [C arrays (B, L,
-    G, ...)]}) from TensorFlow's step kernel when it takes x (B, L, D) (its sizes known),
-    else None (eager PyTorch calls its kernel in ``_dynamic_weights_torch``; other
-    backends have none)."""
-    if keras.backend.backend() != "tensorflow":
-        return None
-    fast = _step_dynamic_weights("tensorflow")
-    if fast is None or None in _shape(x):
-        return None
-    return fast(x, dw1, qkw, dd, C=C, rank=rank, gelu_approximate=gelu_approximate,
-                eps=W1_NORM_EPS)
 
 
 def _check_dynamic_args(x, dw1, qkw, dd, slots, rank):
@@ -749,21 +608,6 @@ def _attention_one_query(q, k, v, mask, pre, post, *, num_groups, rows_may_be_em
     return o
 
 
-def _on_cpu():
-    """Whether the backend computes on the CPU (no accelerator visible)."""
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-        return jax.default_backend() == "cpu"
-    if backend == "torch":
-        import torch
-        return not torch.cuda.is_available()
-    if backend == "tensorflow":
-        import tensorflow as tf
-        return not tf.config.list_logical_devices("GPU")
-    return True
-
-
 def auto_query_chunk_size(batch, num_heads, key_length, query_length, block_bytes=None):
     """A query chunk size for ``implementation="auto"`` (None = no chunking).
 
@@ -776,7 +620,7 @@ def auto_query_chunk_size(batch, num_heads, key_length, query_length, block_byte
     if not all(isinstance(v, int) for v in (batch, num_heads, key_length, query_length)):
         return None
     if block_bytes is None:
-        block_bytes = 4 * 2 ** 20 if _on_cpu() else 256 * 2 ** 20
+        block_bytes = 4 * 2 ** 20 if seam.on_cpu() else 256 * 2 ** 20
     chunk = dcall.block_rows(batch, num_heads, key_length, block_bytes)
     return chunk if chunk < query_length else None
 
@@ -792,13 +636,12 @@ def join_blocks(parts, axis=1):
     return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=axis)
 
 
-#: More query chunks than this are not unrolled on the tracing backends (jax,
-#: tensorflow): they run as ``_LOOP_SPANS`` spans of equal chunks, each span an
+#: More query chunks than this are not unrolled on the tracing backends
+#: (``dcmha.backend.LOOPED_CHUNKS``): they run as ``_LOOP_SPANS`` spans of equal chunks, each span an
 #: ``ops.map`` loop against the keys its queries can see, so the traced graph
 #: (and the compile time) stays bounded for long sequences.
 MAX_UNROLLED_CHUNKS = 64
 _LOOP_SPANS = 16
-_LOOPED_BACKENDS = ("jax", "tensorflow")
 
 
 def _attention_looped(q, k, v, mask, pre, post, *, num_groups, chunk, use_causal_mask,
@@ -920,7 +763,7 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
                                     probs=decode_probs), {}
     if (len(q_bounds) > MAX_UNROLLED_CHUNKS and not wanted
             and not (training and dropout_rate > 0.0)
-            and keras.backend.backend() in _LOOPED_BACKENDS):
+            and seam.LOOPED_CHUNKS):
         return _attention_looped(q, k, v, mask, pre, post, num_groups=G, chunk=chunk,
                                  use_causal_mask=use_causal_mask, sliding_window=sliding_window,
                                  query_offset=query_offset,

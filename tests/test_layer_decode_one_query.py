@@ -418,11 +418,21 @@ def test_step_dynamic_weights_in_the_kernel(monkeypatch, parts, approximate):
     grads = {}
     for kernel in (True, False):
         if not kernel:
-            monkeypatch.setattr(dops, "_STEP_DYNAMIC", {(BACKEND, "dynamic_weights"): None})
+            _no_step_kernel(monkeypatch)
         grads[kernel] = _dynamic_grads(x, dw1, qkw, dd, slots, R, approximate, ups)
     assert len(ran) == (1 if BACKEND == "tensorflow" else 0)  # torch records them without it
     for a, b in zip(grads[True], grads[False]):
         assert_close(a, b)
+
+
+def _no_step_kernel(monkeypatch):
+    """The backend's step kernel for dynamic weights switched off (the framework's ops)."""
+    if BACKEND == "torch":
+        from dcmha.backends.torch_native import decode
+        monkeypatch.setattr(decode, "dynamic_weights", lambda *a, **k: None)
+    else:
+        from dcmha.backend import tensorflow as seam_tf
+        monkeypatch.setattr(seam_tf, "_STEP_KERNEL", {"dynamic_weights": None})
 
 
 def _dynamic_grads(x, dw1, qkw, dd, slots, R, approximate, ups):

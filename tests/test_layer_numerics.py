@@ -221,7 +221,7 @@ def test_mixed_precision_keeps_scores_in_float32(reference_case, policy, rtol, c
 
 @pytest.mark.parametrize("T", [1, 300])
 def test_dynamic_weights_of_backend_tensors_match_reference(reference_case, T):
-    # Backend tensors take eager torch's own path (dcmha.ops._dynamic_weights_torch): a
+    # Backend tensors take eager torch's own path (dcmha.backends.torch_native.dynamic_weights): a
     # broadcast product for qkw at one token, a bmm for many (B*L*G*C*K*2RM = 2*300*4*32*32).
     case = reference_case(dict(num_heads=8, key_dim=4), T=T)
     cfg, p, x = case["cfg"], case["params"], case["query"]

@@ -141,3 +141,47 @@ def test_backend_folders_import_no_other_backend_folder():
                       if _backend_folder(m) and _backend_folder(t)
                       and _backend_folder(t) != _backend_folder(m))
     assert crossing == []
+
+
+_BACKEND_NAMES = {"jax", "torch", "tensorflow", "numpy"}
+#: The shared code of the package: it reaches backend-specific code through the seam
+#: (``dcmha.backend``) or the registry, and names no Keras backend.
+SHARED = ("dcmha.layers", "dcmha.ops", "dcmha.models", "dcmha.call", "dcmha.hub.backbone",
+          "dcmha.hub.causal_lm")
+
+
+def _names_a_backend(node):
+    """Whether an expression is a backend name or ``keras.backend.backend()``."""
+    if isinstance(node, ast.Constant):
+        return node.value in _BACKEND_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_backend(e) for e in node.elts)
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "backend")
+
+
+def backend_comparisons(path):
+    """Lines of ``path`` that compare with a backend name or key a table on one."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare) and any(
+                _names_a_backend(n) for n in [node.left] + node.comparators):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Dict) and any(
+                k is not None and _names_a_backend(k) for k in node.keys):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_backend_comparisons_are_seen(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("if keras.backend.backend() == 'torch':\n    pass\nT = {'jax': 1}\n"
+                    "U = x in ('a', 'tensorflow')\n")
+    assert backend_comparisons(path) == [1, 3, 4]
+
+
+def test_shared_code_names_no_backend():
+    modules = _modules()
+    found = {m: backend_comparisons(modules[m]) for m in SHARED if m in modules}
+    assert set(found) == set(SHARED)
+    assert {m: lines for m, lines in found.items() if lines} == {}

@@ -1,0 +1,123 @@
+"""The seam's defaults (``dcmha.backend``): plain ``keras.ops``, no backend-specific
+behaviour. Each backend module imports them and replaces what its backend does
+differently; a Keras backend without a module gets these.
+"""
+
+import numpy as np
+
+__all__ = ["readable_value", "to_layer_device", "arange_int32", "stack", "unstack",
+           "eager_slice_write", "cache_writer", "step_dynamic_weights", "fused_query",
+           "fused_query_projection",
+           "call_sublayer", "on_cpu", "LOOPED_CHUNKS", "decode_step", "step_index",
+           "prepare_export", "DEMO_JIT_COMPILE"]
+
+
+def readable_value(x):
+    """``x`` as a NumPy array when its value can be read now, else None (a traced or
+    symbolic tensor, whose reading would bake the value or break the graph)."""
+    from keras import ops
+    return np.asarray(ops.convert_to_numpy(x))
+
+
+def to_layer_device(values):
+    """``values`` (a tuple; dicts of tensors inside) on the device of the layer's weights,
+    where the backend does not place arrays itself (the first value gives the device)."""
+    return values
+
+
+def arange_int32(start, stop):
+    """int32 [start, stop), also when ``stop - start`` is an exporter's symbolic size."""
+    from keras import ops
+    return ops.arange(start, stop, dtype="int32")
+
+
+def stack(arrays, axis):
+    """``ops.stack``."""
+    from keras import ops
+    return ops.stack(arrays, axis=axis)
+
+
+def unstack(x, axis, num):
+    """The ``num`` slices of x along ``axis``: ``ops.unstack``."""
+    from keras import ops
+    return ops.unstack(x, num=num, axis=axis)
+
+
+def eager_slice_write(entry, index, update):
+    """``entry`` with ``update`` (already in entry's dtype) written at [:, index:index + n]
+    by the backend's own eager ops, or None where ``ops.slice_update`` is the way."""
+    return None
+
+
+def cache_writer(index, new_length, batch):
+    """A ``write(entry, update)`` for all of one step's cache entries that the backend
+    builds once per step, or None (then each entry is ``dcmha.ops.write_slice``)."""
+    return None
+
+
+def step_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
+    """``dcmha.ops.plain_dynamic_weights``' arrays split into their C slots ({name: [C
+    arrays (B, L, G, ...)]}) by the backend's own route (a compiled kernel for a decoding
+    step's few rows, eager framework ops), or None: then the plain ``keras.ops`` form."""
+    return None
+
+
+def fused_query(query_dense, projection, query):
+    """(the query projection (B, L, N, d) float32, the dynamic weights {slot: {...}}) of a
+    self-attention call from one matrix product, where the backend has it, else None.
+    ``query_dense``: the layer's "query" EinsumDense; ``projection``: its
+    ``DynamicWeightProjection``."""
+    return None
+
+
+def fused_query_projection(x, kernel, bias, dw1, qkw, dd, *, C, rank, gelu_approximate):
+    """(x . kernel + bias (B, L, N, d) float32, ``plain_dynamic_weights``' arrays) of x (B,
+    L, D) from one matrix product with [kernel | dw1 | dd] (backend tensors, not
+    variables), where the backend has it, else None."""
+    return None
+
+
+def call_sublayer(layer, x, **kwargs):
+    """``layer(x, **kwargs)``: a sublayer's call (a backend may skip Keras's per-call
+    machinery where it has nothing to do)."""
+    return layer(x, **kwargs)
+
+
+def on_cpu():
+    """Whether the backend computes on the CPU (no accelerator visible)."""
+    return True
+
+
+#: Whether many query chunks run as ``ops.map`` loops (a traced program stays bounded)
+#: rather than unrolled.
+LOOPED_CHUNKS = False
+
+
+def _last_logits(logits):
+    from keras import ops
+    return ops.cast(logits[:, -1, :], "float32")
+
+
+def decode_step(model):
+    """``model``'s decoding step (tokens, cache, index) -> (last logits (B, V) float32,
+    cache), compiled where the backend pays for it."""
+    def step(tokens, cache, index):
+        logits, cache = model.call_with_cache(tokens, cache, index)
+        return _last_logits(logits), cache
+    return step
+
+
+def step_index(i):
+    """A decoding step's cache index as the step takes it (a tensor keeps compiled steps'
+    shapes fixed)."""
+    from keras import ops
+    return ops.convert_to_tensor(np.int32(i))
+
+
+def prepare_export(format):
+    """Whatever the backend's exporter needs before Keras's ``Model.export``."""
+    return None
+
+
+#: ``jit_compile`` of the demo's ``Model.compile``.
+DEMO_JIT_COMPILE = "auto"

@@ -1,0 +1,101 @@
+"""The seam's module for Keras's TensorFlow backend (``dcmha.backend``)."""
+
+import numpy as np
+
+from dcmha.backend._common import *  # noqa: F401,F403
+from dcmha.backend._common import __all__  # noqa: F401
+from dcmha.backend._common import _last_logits
+from dcmha.backend._common import readable_value as _readable
+
+
+def readable_value(x):
+    """None for a symbolic tensor or inside a ``tf.function``, else the NumPy value."""
+    import tensorflow as tf
+    if tf.is_tensor(x) and (tf.is_symbolic_tensor(x) or not tf.executing_eagerly()):
+        return None
+    return _readable(x)
+
+
+def cache_writer(index, new_length, batch):
+    """``tensor_scatter_nd_update`` on indices built once for all of a step's entries:
+    TensorFlow runs ``slice_update`` (``XlaDynamicUpdateSlice``) through XLA's op-by-op
+    path, which copies the entry and costs about 20 us more per write in a graph, and a
+    DCMHA decoding step writes up to eight entries per layer."""
+    import tensorflow as tf
+
+    from dcmha.ops import as_dtype, dtype_name
+    index = tf.cast(index, tf.int32)
+    if isinstance(batch, int) and isinstance(new_length, int):
+        # (b, t) for every row as a constant, shifted by (0, index): two graph ops.
+        grid = np.stack(np.meshgrid(np.arange(batch), np.arange(new_length), indexing="ij"),
+                        axis=-1).astype(np.int32)
+        positions = grid + tf.stack([0, index])                            # (B, T, 2)
+    else:
+        rows = tf.range(new_length, dtype=tf.int32) + index                # (T,)
+        grid = tf.meshgrid(tf.range(batch, dtype=tf.int32), rows, indexing="ij")
+        positions = tf.stack(grid, axis=-1)                                # (B, T, 2)
+
+    def write(entry, update):
+        return tf.tensor_scatter_nd_update(entry, positions,
+                                           as_dtype(update, dtype_name(entry.dtype)))
+    return write
+
+
+#: The step kernel of the dynamic weights ("tf_cpu"'s ``dynamic_weights``), found once.
+_STEP_KERNEL = {}
+
+
+def _step_kernel():
+    if "dynamic_weights" not in _STEP_KERNEL:
+        from dcmha import registry
+        impl = registry.implementations().get("tf_cpu")
+        try:
+            module = impl.load() if impl is not None else None
+        except ImportError:
+            module = None
+        _STEP_KERNEL["dynamic_weights"] = getattr(module, "dynamic_weights", None)
+    return _STEP_KERNEL["dynamic_weights"]
+
+
+def step_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
+    """The "tf_cpu" kernel op when it takes x (B, L, D) (sizes known, few rows, not in an
+    XLA trace): it writes each slot's array, so a graph has no reshape or unstack op
+    after it."""
+    from dcmha.call import shape_of
+    from dcmha.ops import W1_NORM_EPS
+    fast = _step_kernel()
+    if fast is None or None in shape_of(x):
+        return None
+    return fast(x, dw1, qkw, dd, C=C, rank=rank, gelu_approximate=gelu_approximate,
+                eps=W1_NORM_EPS)
+
+
+def on_cpu():
+    import tensorflow as tf
+    return not tf.config.list_logical_devices("GPU")
+
+
+LOOPED_CHUNKS = True
+
+
+def decode_step(model):
+    """Two ``tf.function``s kept on the model, one for the prompt and one for the
+    one-token steps: relaxed to a free length, a shared trace would lose T = 1, which the
+    attention core's one-query path needs to know statically."""
+    if getattr(model, "_tf_decode_step", None) is None:
+        import tensorflow as tf
+
+        def tf_step(tokens, cache, index):
+            logits, cache = model.call_with_cache(tokens, cache, index)
+            return _last_logits(logits), cache
+
+        model._tf_decode_step = tuple(
+            tf.function(tf_step, reduce_retracing=True, autograph=False) for _ in range(2))
+    prefill, one = model._tf_decode_step
+    return lambda tokens, cache, index: (one if tokens.shape[1] == 1 else prefill)(
+        tokens, cache, index)
+
+
+#: XLA does not make the demo's small steps faster on CPU with TensorFlow, but costs
+#: tens of seconds of compilation.
+DEMO_JIT_COMPILE = False
