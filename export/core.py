@@ -10,8 +10,8 @@ node and fuse it, any other runtime inlines its plain-op body. The body follows
     set to 0 (all in float32, whatever the dtype, as in the Keras layer) ->
     P.V -> output projection.
 
-Written for onnxruntime's CPU provider (benchmarks/RESULTS.md, "onnxruntime on the
-exported graph"): one MatMul for every projection of a self-attention input; each compose
+Written for onnxruntime's CPU provider (benchmarks/RESULTS.md, "ONNX export in
+onnxruntime"): one MatMul for every projection of a self-attention input; each compose
 one ``dcmha.Compose*`` node (a local function with a plain-op body, which onnxruntime runs
 as the compiled compose kernel when ``dcmha.export.ort_ops`` is registered;
 ``compose_nodes=False`` writes the composes as plain ops: one batched MatMul per side with

@@ -92,8 +92,8 @@ def _junit_counts(path: Path) -> dict:
     return counts
 
 
-#: Rough step durations (seconds, 2-core machine, two steps at a time: CI of 2026-12-04) for
-#: ordering the steps longest first.
+#: Rough step durations (seconds, 2-core machine, two steps at a time) for ordering the
+#: steps longest first.
 _EXPECTED_SECONDS = {"conformance": 1000, "keras-jax": 900, "keras-tensorflow": 390,
                      "keras-torch": 150, "tf-xla": 80, "hub-jax": 80, "keras-numpy": 70,
                      "hub-tensorflow": 65, "pallas-interpret": 60, "triton-interpret": 50,
