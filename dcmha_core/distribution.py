@@ -376,12 +376,17 @@ def multi_host_mesh(model_size=None):
 
 def gathered_weights(model):
     """The model's weights as NumPy arrays, whole on every process (``model.weights``
-    order): sharded JAX arrays are assembled with ``process_allgather``, a collective that
-    every process must call; other backends' values are converted as they are."""
-    if keras.backend.backend() != "jax":
-        return [keras.ops.convert_to_numpy(v.value) for v in model.weights]
+    order). Weights sharded over a mesh that spans processes are all-gathered in one
+    compiled call, a collective that every process must make (as ``process_allgather``,
+    which compiles one call per weight); other values are converted as they are."""
+    values = [v.value for v in model.weights]
+    if keras.backend.backend() != "jax" or all(
+            getattr(x, "is_fully_addressable", True) for x in values):
+        return [keras.ops.convert_to_numpy(x) for x in values]
+    import jax
     import numpy as np
-    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    return [np.asarray(multihost_utils.process_allgather(v.value, tiled=True))
-            for v in model.weights]
+    mesh = next(x.sharding.mesh for x in values if isinstance(x.sharding, NamedSharding))
+    whole = jax.jit(lambda xs: xs, out_shardings=NamedSharding(mesh, PartitionSpec()))(values)
+    return [np.asarray(x.addressable_data(0)) for x in whole]

@@ -9,17 +9,13 @@ data x model mesh, with composition local to a device and with a replicated
 dynamic projection) and under DataParallel (8-way).
 """
 
-import os
-import sys
 
 if __name__ == "__main__":       # the 8-device worker: before jax is imported
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
-    os.environ["KERAS_BACKEND"] = "jax"
+    import device_workers
+    device_workers.worker_environment()
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -224,12 +220,8 @@ def _worker():
 
 @pytest.fixture(scope="module")
 def eight_devices():
-    env = dict(os.environ, KERAS_BACKEND="jax", PYTHONHASHSEED="0")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env,
-                          capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    import device_workers
+    return device_workers.run(Path(__file__).resolve())
 
 
 @pytest.mark.parametrize("name", ["model_parallel_local", "model_parallel_replicated",

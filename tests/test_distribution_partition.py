@@ -11,17 +11,13 @@ device's, and ``"auto"`` passes over a layout that would split a composition gro
 the reason.
 """
 
-import os
-import sys
 
 if __name__ == "__main__":       # the 8-device worker: before jax is imported
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
-    os.environ["KERAS_BACKEND"] = "jax"
+    import device_workers
+    device_workers.worker_environment()
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +29,8 @@ pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax",
                                 reason="keras.distribution is implemented for jax only")
 
 VOCAB, BATCH = 64, 8
-#: T * S of the kernel path's runs: at least "auto"'s CPU threshold (64 * 128), so that
-#: "auto" takes "jax_cpu" on one device. Pallas (interpreted) runs a shorter sequence.
-LENGTHS = {"ops": 96, "jax_cpu": 96, "pallas": 32}
+#: The implementations compared, each forced, and the sequence length of their steps.
+IMPLEMENTATIONS, LENGTH = ("ops", "jax_cpu", "pallas"), 32
 COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|"
                         r"collective-permute)(?:-start)?\(")
 
@@ -84,9 +79,9 @@ def _worker():
         return counts, sorted({c for c in calls})
 
     out = {}
-    for impl, T in LENGTHS.items():
-        tokens = rng.integers(0, VOCAB, (BATCH, T)).astype("int32")
-        targets = rng.integers(0, VOCAB, (BATCH, T)).astype("int32")
+    for impl in IMPLEMENTATIONS:
+        tokens = rng.integers(0, VOCAB, (BATCH, LENGTH)).astype("int32")
+        targets = rng.integers(0, VOCAB, (BATCH, LENGTH)).astype("int32")
         ref_model = _lm(impl)
         ref_model.build((None, None))
         weights = ref_model.get_weights()
@@ -106,8 +101,9 @@ def _worker():
                 "collectives": counts, "compose_shapes": calls,
                 "grad_error": max(float(np.abs(a - b).max()) for a, b in zip(got, ref)) / scale}
 
-    # "auto" under a (2, 4) mesh: it takes the kernel when the 4 groups split over the 4
-    # model devices, and passes over it (with the reason) when 2 groups would straddle them.
+    # "auto" under a (2, 4) mesh, at T * S over its CPU threshold (64 * 128): it takes the
+    # kernel when the 4 groups split over the 4 model devices, and passes over it (with
+    # the reason) when 2 groups would straddle them.
     from dcmha.call import describe
     for groups in (4, 2):
         mesh = keras.distribution.DeviceMesh((2, 4), ("data", "model"), devices)
@@ -121,12 +117,8 @@ def _worker():
 
 @pytest.fixture(scope="module")
 def partitioned():
-    env = dict(os.environ, KERAS_BACKEND="jax", PYTHONHASHSEED="0")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env,
-                          capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    import device_workers
+    return device_workers.run(Path(__file__).resolve())
 
 
 @pytest.mark.parametrize("impl", ["jax_cpu", "pallas"])
