@@ -33,6 +33,17 @@ model inside ``distribution.scope()`` (or after
 ``keras.distribution.set_distribution``). Only the JAX backend implements
 ``keras.distribution``.
 
+Across processes (``keras.distribution.initialize``), ``multi_host_mesh()`` puts
+``model`` over each process's own devices and ``data`` across processes, and
+``gathered_weights(model)`` reads the sharded weights back whole on every process.
+
+The compiled attention paths ("jax_cpu", "pallas") run once per shard of the active
+distribution's mesh (``partitioned``): the batch over the batch axis and whole groups over
+the one other axis, as these layouts place them. With a layout map of one's own that does
+not split heads over that axis, the "ops" core may need fewer collectives.
+``partition_problem`` says why a call cannot run that way (its groups would straddle
+devices); ``"auto"`` then takes "ops". ``docs/distribution.md`` has a recipe per engine.
+
 Example (8 devices: 2-way data parallel x 4-way model parallel)::
 
     import keras
