@@ -17,6 +17,9 @@ stopped (and two processes can share the work: a run being trained is locked)::
     python benchmarks/quality.py lr           # learning rates x both models
     python benchmarks/quality.py heads        # head dimension at a fixed width
     python benchmarks/quality.py length       # 1x and 2x the steps, both models
+    python benchmarks/quality.py composition_lr  # the composition weights' step size: their
+                                              # learning rate scaled (--composition-lr-scales)
+                                              # at each --learning-rates
     python benchmarks/quality.py recipe       # optimizer settings: the official code's
                                               # (beta_2 0.95, weight decay 0.1), per-variable
                                               # clipping instead of global
@@ -62,10 +65,14 @@ VARIANTS = {
 PAPER_405M_PPL = dict(mha=11.68, dcmha=10.83, pre_only=11.54, post_only=11.05,
                       query_wise_only=10.89, key_wise_only=10.91, projection_only=10.95,
                       gating_only=11.31, rank1=10.87)
-TABLES = ("main", "ablation", "multiplier", "lr", "heads", "length", "recipe", "gradients",
-          "checks", "speed")
+TABLES = ("main", "ablation", "multiplier", "lr", "heads", "length", "recipe",
+          "composition_lr", "gradients", "checks", "speed")
 #: Tables that train stored runs (the others run in-process and store only their report).
-RUN_TABLES = ("main", "ablation", "multiplier", "lr", "heads", "length", "recipe")
+RUN_TABLES = ("main", "ablation", "multiplier", "lr", "heads", "length", "recipe",
+              "composition_lr")
+#: The composition weights (DCMHA's dynamic projection), whose learning rate
+#: ``composition_lr_scale`` scales.
+COMPOSITION_WEIGHTS = ("dw1", "qkw", "dd")
 #: The recipe table's groups: name -> optimizer settings that differ from the command line's.
 RECIPES = {
     "command line": {},
@@ -79,6 +86,9 @@ RUN_FIELDS = ("variant", "seed", "steps", "corpus", "layers", "hidden_dim", "hea
               "seq_len", "batch_size", "window", "optimizer", "learning_rate",
               "weight_decay", "clipnorm", "global_clipnorm", "beta_2", "warmup",
               "implementation", "backend")
+#: Fields added later: in a run's key only when they differ from their default, so that the
+#: runs stored before they existed keep their keys.
+EXTRA_FIELDS = dict(composition_lr_scale=1.0)
 
 
 # ---------------------------------------------------------------------------
@@ -125,6 +135,10 @@ def parse(argv=None):
     p.add_argument("--beta-2", type=float, default=0.999)
     p.add_argument("--warmup", type=float, default=0.1, help="warmup fraction (then cosine "
                    "to 0.1x)")
+    p.add_argument("--composition-lr-scale", type=float, default=1.0,
+                   help="the composition weights' learning rate, relative to the others'")
+    p.add_argument("--composition-lr-scales", default="0.1",
+                   help="composition_lr table: the scales tried")
     p.add_argument("--implementation", default="auto", help="DCMHA's implementation")
     p.add_argument("--variants", default=None, help="override the table's variants")
     p.add_argument("--learning-rates", default="1e-3,3e-3,6e-3", help="lr table")
@@ -146,7 +160,8 @@ def base_config(args):
                 optimizer=args.optimizer, learning_rate=args.learning_rate,
                 weight_decay=args.weight_decay, clipnorm=args.clipnorm,
                 global_clipnorm=args.global_clipnorm, beta_2=args.beta_2, warmup=args.warmup,
-                implementation=args.implementation, backend=args.backend or _backend_name())
+                implementation=args.implementation, backend=args.backend or _backend_name(),
+                composition_lr_scale=args.composition_lr_scale)
 
 
 def _backend_name():
@@ -168,8 +183,10 @@ def table_runs(args, table):
     def add(group, **over):
         for seed in seeds:
             for name in names if "variant" not in over else [over["variant"]]:
-                runs.append((group, dict(base, **dict(over, variant=over.get("variant", name),
-                                                      seed=seed))))
+                cfg = dict(base, **dict(over, variant=over.get("variant", name), seed=seed))
+                if VARIANTS[cfg["variant"]][1].get("attention") == "mha":
+                    cfg["composition_lr_scale"] = 1.0     # no composition weights: one run
+                runs.append((group, cfg))
 
     if table in ("main", "ablation"):
         add(f"{args.steps} steps")
@@ -186,6 +203,11 @@ def table_runs(args, table):
     elif table == "length":
         for k in (1, 2):
             add(f"{k * args.steps} steps", steps=k * args.steps)
+    elif table == "composition_lr":
+        for lr in _floats(args.learning_rates):
+            for scale in _floats(args.composition_lr_scales):
+                add(f"lr {lr:g}, composition lr x{scale:g}", learning_rate=lr,
+                    composition_lr_scale=scale)
     elif table == "recipe":
         for label, over in RECIPES.items():
             add(label, **over)
@@ -233,7 +255,9 @@ def validation_windows(val, count, seq_len):
 # ---------------------------------------------------------------------------
 
 def run_key(cfg):
-    digest = hashlib.sha1(json.dumps([cfg[k] for k in RUN_FIELDS]).encode()).hexdigest()[:10]
+    fields = [cfg[k] for k in RUN_FIELDS] + [[k, cfg.get(k, d)] for k, d in EXTRA_FIELDS.items()
+                                             if cfg.get(k, d) != d]
+    digest = hashlib.sha1(json.dumps(fields).encode()).hexdigest()[:10]
     return f"{cfg['variant']}-s{cfg['seed']}-n{cfg['steps']}-{digest}"
 
 
@@ -269,6 +293,9 @@ def make_optimizer(cfg):
         warmup_steps=warmup, alpha=0.1)
     cls = type(keras.optimizers.get(cfg["optimizer"]))
     accepted = inspect.signature(cls.__init__).parameters
+    scale = cfg.get("composition_lr_scale", 1.0)
+    if scale != 1.0:
+        cls = _composition_scaled(cls, scale)
     kwargs = dict(learning_rate=schedule, clipnorm=cfg["clipnorm"],
                   global_clipnorm=cfg["global_clipnorm"])
     if "weight_decay" in accepted:
@@ -276,6 +303,19 @@ def make_optimizer(cfg):
     if "beta_2" in accepted:
         kwargs["beta_2"] = cfg["beta_2"]
     return cls(**kwargs)
+
+
+def _composition_scaled(cls, scale):
+    """``cls`` whose step on the composition weights uses ``scale`` x the learning rate."""
+
+    class CompositionScaled(cls):
+        def update_step(self, gradient, variable, learning_rate):
+            if variable.path.split("/")[-1] in COMPOSITION_WEIGHTS:
+                learning_rate = learning_rate * scale
+            return super().update_step(gradient, variable, learning_rate)
+
+    CompositionScaled.__name__ = f"{cls.__name__}CompositionScaled"
+    return CompositionScaled
 
 
 def train_run(cfg, corpus, verbose=0):
@@ -551,9 +591,6 @@ def report(args, table, records):
             f"k = {_fmt(mm['k_mean'], '.2f')} ± {_fmt(mm['k_ci95'], '.2f')} (95% CI over "
             f"{len(mm['per_seed'])} seeds; {mm['censored']} seed(s) outside the measured "
             f"range {MULTIPLIERS[0]:g}-{MULTIPLIERS[-1]:g}x, counted at the edge)")
-    elif table == "recipe":
-        for label, over in RECIPES.items():
-            add(label, **over)
     else:
         out["rows"] = paired_summary(by_group)
         text = render_paired(out["rows"], table)
