@@ -7,8 +7,9 @@ set before jax is imported): the checks run in a subprocess, this file run as a 
 For "jax_cpu" (the C kernel through ``jax.ffi``) and "pallas" (interpret mode) the
 compiled step has no more collectives of any kind than the "ops" core's, the kernel's
 custom call sees one device's share (B / data, G / model), the gradients equal one
-device's, and ``"auto"`` passes over a layout that would split a composition group, with
-the reason.
+device's, the per-shard forward of GQA (kv heads repeated), every compose term, a mask and
+the Pallas scores equals one device's, and ``"auto"`` passes over a layout that would split
+a composition group, with the reason.
 """
 
 
@@ -101,10 +102,43 @@ def _worker():
                 "collectives": counts, "compose_shapes": calls,
                 "grad_error": max(float(np.abs(a - b).max()) for a, b in zip(got, ref)) / scale}
 
+    # The per-shard wrapper on its own, forward: GQA whose 2 kv heads the 4-way model axis
+    # cannot split (repeated to the query heads), every term kind, a (B, 1, S) mask and,
+    # on "pallas", the attention scores (B, N, T, S).
+    from dcmha.backends.jax_cpu import keras_core as cpu_core
+    from dcmha.backends.pallas import keras_core as pallas_core
+    from dcmha.call import describe
+    B, T, N, N_kv, G, R = BATCH, 16, 8, 2, 4, 1
+    arrays = {n: rng.standard_normal(shape).astype("float32") for n, shape in (
+        ("q", (B, T, N, 4)), ("k", (B, T, N_kv, 4)), ("v", (B, T, N_kv, 4)),
+        ("qw1", (B, T, G, R, 2)), ("qw2", (B, T, G, R, 2)), ("kw1", (B, T, G, R, 2)),
+        ("kw2", (B, T, G, R, 2)), ("qdd", (B, T, G, 2)), ("kdd", (B, T, G, 2)),
+        ("static", (G, 2, 2)))}
+    mask = rng.random((B, 1, T)) < 0.8
+
+    def call_of(a, scores):
+        pre = {n: a[n] for n in ("qw1", "qw2", "kw1", "kw2", "static")}
+        post = {n: a[n] for n in ("qdd", "kdd")}
+        return describe(a["q"], a["k"], a["v"], num_groups=G, pre=pre, post=post,
+                        attention_mask=mask, use_causal_mask=True,
+                        return_attention_scores=scores)
+
+    for impl, core, scores in (("jax_cpu", cpu_core, False), ("pallas", pallas_core, True)):
+        run = jax.jit(lambda a: core.attention(call_of(a, scores)))
+        ref = run(arrays)
+        mesh = keras.distribution.DeviceMesh((2, 4), ("data", "model"), devices)
+        with ddist.model_parallel(mesh, _lm(impl)).scope():
+            got = jax.jit(lambda a: core.attention(call_of(a, scores)))(arrays)
+        out[f"wrapper/{impl}"] = {
+            "o": float(np.abs(np.asarray(got[0]) - np.asarray(ref[0])).max()),
+            "scores": float(np.abs(np.asarray(got[1]["attention_scores"])
+                                   - np.asarray(ref[1]["attention_scores"])).max())
+            if scores else None,
+            "scale": float(np.abs(np.asarray(ref[0])).max())}
+
     # "auto" under a (2, 4) mesh, at T * S over its CPU threshold (64 * 128): it takes the
     # kernel when the 4 groups split over the 4 model devices, and passes over it (with
     # the reason) when 2 groups would straddle them.
-    from dcmha.call import describe
     for groups in (4, 2):
         mesh = keras.distribution.DeviceMesh((2, 4), ("data", "model"), devices)
         with ddist.model_parallel(mesh, _lm("auto", groups)).scope():
@@ -145,6 +179,16 @@ def test_kernel_sees_one_device_share(partitioned):
               for m in ("data_parallel", "model_parallel")}
     assert shapes["data_parallel"] == {(BATCH // 8, 4, 2)}, shapes
     assert shapes["model_parallel"] == {(BATCH // 2, 1, 2)}, shapes
+
+
+@pytest.mark.parametrize("impl", ["jax_cpu", "pallas"])
+def test_per_shard_forward_equals_one_device(partitioned, impl):
+    """GQA with kv heads repeated, every compose term, a mask, and (pallas) the scores."""
+    r = partitioned[f"wrapper/{impl}"]
+    assert r["scale"] > 0.1, r
+    assert r["o"] < 1e-5 * r["scale"], r
+    if impl == "pallas":
+        assert r["scores"] is not None and r["scores"] < 1e-5, r
 
 
 def test_auto_passes_over_a_split_group_with_the_reason(partitioned):
