@@ -17,7 +17,8 @@ __all__ = ["describe", "shared_mask"]
 
 
 def describe(q, k, v, *, num_groups, pre=None, post=None, mask=None, causal=False,
-             sliding_window=None, query_offset=0, query_chunk_size=None) -> dcall.AttentionCall:
+             sliding_window=None, query_offset=0, query_chunk_size=None,
+             return_attention_scores=False) -> dcall.AttentionCall:
     """``dcmha.call.describe`` of a kernel call (mask: None or (B|1, T|1, S|1), True = attend).
 
     Raises describe's ValueError / TypeError, naming the kernel's argument ``mask``;
@@ -28,7 +29,8 @@ def describe(q, k, v, *, num_groups, pre=None, post=None, mask=None, causal=Fals
         call = dcall.describe(q, k, v, num_groups=num_groups, pre=pre, post=post,
                               attention_mask=mask, use_causal_mask=causal,
                               sliding_window=sliding_window, query_offset=query_offset,
-                              query_chunk_size=query_chunk_size)
+                              query_chunk_size=query_chunk_size,
+                              return_attention_scores=bool(return_attention_scores))
     except (TypeError, ValueError) as err:
         if "attention_mask" not in str(err):
             raise

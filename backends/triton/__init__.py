@@ -11,7 +11,8 @@ import os
 from dcmha.backends import lazy_attributes
 from dcmha.registry import Implementation
 
-__all__ = ["IMPLEMENTATION", "BlockSizes", "dcmha_attention", "dcmha_attention_reference", "is_available"]
+__all__ = ["IMPLEMENTATION", "BlockSizes", "dcmha_attention", "dcmha_attention_call",
+           "dcmha_attention_reference", "is_available"]
 
 
 def is_available(interpret=None) -> bool:
@@ -31,7 +32,8 @@ def is_available(interpret=None) -> bool:
 
 
 __getattr__ = lazy_attributes(__name__, "dcmha_triton",
-                              ("BlockSizes", "dcmha_attention", "dcmha_attention_reference"))
+                              ("BlockSizes", "dcmha_attention", "dcmha_attention_call",
+                               "dcmha_attention_reference"))
 
 IMPLEMENTATION = Implementation(
     name="triton", backend="torch", module="dcmha.backends.triton.keras_core",

@@ -123,6 +123,8 @@ def attention(call):
     ``query_chunk_size`` is ignored: the kernel tiles queries and keys itself and
     never materialises (B, N, T, S) unless the scores are asked for.
     """
+    import dataclasses
+
     from keras import ops
 
     from dcmha import ops as dops
@@ -135,8 +137,8 @@ def attention(call):
     offset = call.query_offset
     if hasattr(offset, "shape"):
         offset = int(offset)                 # a device sync when it lives on the GPU
-    result = tb.dcmha_attention(
-        q, k, v, num_groups=call.num_groups, pre=call.pre, post=call.post, mask=mask,
-        causal=call.use_causal_mask, sliding_window=call.sliding_window,
-        query_offset=int(offset), return_attention_scores=call.return_attention_scores)
+    # The registry validated the call: the kernels take it as it is (cast, mask standardised).
+    kernel_call = dataclasses.replace(call, q=q, k=k, v=v, attention_mask=mask,
+                                      query_offset=int(offset), static_offset=int(offset))
+    result = tb.dcmha_attention_call(kernel_call)
     return dops.core_result(result, call.return_attention_scores)
