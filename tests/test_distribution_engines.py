@@ -5,7 +5,8 @@ Each recipe trains a tiny DCFormerLM (4 composition groups, T = 96, where ``"aut
 takes the compiled C-kernel paths on CPU) for three SGD steps on ``"auto"`` and on
 ``"ops"`` and writes the weights; the test runs it once with two workers and once with
 one, on fresh local ports, under a time limit (stragglers are killed), and compares the
-weights relative to the size of the update. Each engine runs in the pytest step of its
+weights relative to the size of the update (the JAX reference: one process of one
+device). Each engine runs in the pytest step of its
 Keras backend (the recipes run in their own processes).
 """
 
@@ -180,6 +181,7 @@ def test_torch_ddp(tmp_path):
 
 @on_backend("torch")
 def test_torch_fsdp2(tmp_path):
+    auto_takes_a_kernel("torch")
     _torchrun(tmp_path, "train_fsdp.py")
 
 
