@@ -8,6 +8,7 @@ import pytest
 import keras
 
 from dcmha import __main__ as cli
+from dcmha import demo
 
 BACKEND = keras.backend.backend()
 
@@ -35,6 +36,8 @@ def test_demo_tiny(tmp_path, capsys):
     rows = [line for line in summary.splitlines()
             if line.startswith(("DCFormer (DCMHA)", "Transformer++ (MHA)"))]
     assert len(rows) == 2 and "val ppl" in summary
+    # The one-seed table says what it is and carries the multi-seed study's result.
+    assert "One seed (seed " in summary and demo.STUDY in summary
     assert ("ONNX export:" in summary) or ("ONNX export unavailable:" in summary)
     if "ONNX export:" in summary:
         assert (out / "dcformer.onnx").stat().st_size > 0
