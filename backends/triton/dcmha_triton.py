@@ -13,7 +13,8 @@ key-wise terms to the key block, so each tile has everything it needs. The kerne
 
 Compiling: loops over heads and ranks are runtime loops, and the lengths, offset, window,
 head count and rank are runtime integers, so one compiled kernel serves every call with
-the same tile configuration, dtype and terms; tiles are fitted (``fitted``) so that a
+the same tiles, padded head count (BLOCK_M) and rank (BLOCK_R), dtype, terms and masking
+switches (``tests/test_triton_compile.py``); tiles are fitted (``fitted``) so that a
 program's tiles stay in registers; dots are three TF32 tensor-core products
 (``tiles.DOT_PRECISION``). ``benchmarks/compile_time.py`` measures the compiles on a CPU
 (``offline.compile_only``).

@@ -5,7 +5,8 @@ BLOCK_S) (heads padded to the power of two BLOCK_M, masked by ``offs_m < M``). L
 over heads (M) and ranks (R) are runtime loops, not unrolled: the size of the compiled
 code, and its compile time, do not grow with M or R, and M, R, the lengths, the offset
 and the window are runtime integers (``RUNTIME_SIZES``), so one compiled kernel serves
-every call that shares a tile configuration.
+every call that shares a tile configuration (BLOCK_M = M padded, BLOCK_R = 2R padded, the
+tiles), dtype, terms and masking switches.
 """
 
 import triton
@@ -26,7 +27,7 @@ NEG = tl.constexpr(spec_terms.MASKED_SCORE)
 DOT_PRECISION = tl.constexpr("tf32x3")
 # Arguments the kernels take as plain runtime integers, never specialised on (Triton
 # would otherwise compile a variant per value 1 or divisibility by 16): one compiled
-# kernel serves every length, offset, window, head count and rank of a tile configuration.
+# kernel serves every length, offset, window size, head count and rank of a tile configuration.
 RUNTIME_SIZES = ("smb", "smt", "T", "S", "N", "NKV", "G", "OFFSET", "WINDOW", "M", "R")
 
 
