@@ -14,7 +14,8 @@ import importlib.util
 from dcmha.backends import lazy_attributes
 from dcmha.registry import Implementation
 
-__all__ = ["IMPLEMENTATION", "BlockSizes", "dcmha_attention", "dcmha_attention_reference", "is_available"]
+__all__ = ["IMPLEMENTATION", "BlockSizes", "dcmha_attention", "dcmha_attention_call",
+           "dcmha_attention_reference", "is_available"]
 
 
 def is_available() -> bool:
@@ -32,7 +33,8 @@ def is_available() -> bool:
 
 
 __getattr__ = lazy_attributes(__name__, "dcmha_pallas",
-                              ("BlockSizes", "dcmha_attention", "dcmha_attention_reference"))
+                              ("BlockSizes", "dcmha_attention", "dcmha_attention_call",
+                               "dcmha_attention_reference"))
 
 IMPLEMENTATION = Implementation(
     name="pallas", backend="jax", module="dcmha.backends.pallas.keras_core",

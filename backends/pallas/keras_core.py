@@ -66,6 +66,8 @@ def attention(call):
 
 def _attention(call):
     """(o, extras) of the kernels for one shard's call (the whole call on one device)."""
+    import dataclasses
+
     import jax.numpy as jnp
 
     from dcmha import ops as dops
@@ -75,9 +77,8 @@ def _attention(call):
     mask = dops.standardize_mask(call.attention_mask)
     if mask is not None:
         mask = jnp.broadcast_to(jnp.asarray(mask, bool), (call.B, call.T, call.S))
-    result = pb.dcmha_attention(
-        q, k, v, num_groups=call.num_groups, pre=call.pre, post=call.post, mask=mask,
-        causal=call.use_causal_mask, sliding_window=call.sliding_window,
-        query_offset=int(call.query_offset),
-        return_attention_scores=call.return_attention_scores)
+    # The call is validated once (dcmha.call.describe); the kernels do not check it again.
+    offset = int(call.query_offset)
+    result = pb.dcmha_attention_call(dataclasses.replace(
+        call, q=q, k=k, v=v, attention_mask=mask, query_offset=offset, static_offset=offset))
     return dops.core_result(result, call.return_attention_scores)
