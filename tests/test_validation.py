@@ -523,7 +523,7 @@ def test_loader_npz_not_an_archive(fixtures):
     (root / "causal.npz").write_bytes((root / "causal.npz").read_bytes()[:300])
     rehash()
     with raises(ValueError, f"Fixture file {root / 'causal.npz'} is not a readable .npz "
-                            "archive."):
+                            "archive: not a zip archive."):
         cases.load_cases(fixtures_dir=root)
 
 
@@ -570,7 +570,9 @@ def test_loader_bad_config(fixtures):
     root, rehash = fixtures
     _edit_json(root / "causal.json", lambda m: m["config"].update(num_heads=0))
     rehash()
-    with raises(ValueError, "`num_heads` must be a positive integer. Received: num_heads=0"):
+    with raises(ValueError, f"Fixture file {root / 'causal.json'} is not a valid case: `config` "
+                            "is not dcmha.spec.reference.Config's arguments (`num_heads` must be "
+                            "a positive integer. Received: num_heads=0)."):
         cases.load_cases(fixtures_dir=root)
 
 
