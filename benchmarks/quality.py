@@ -70,9 +70,6 @@ TABLES = ("main", "ablation", "multiplier", "lr", "heads", "length", "recipe",
 #: Tables that train stored runs (the others run in-process and store only their report).
 RUN_TABLES = ("main", "ablation", "multiplier", "lr", "heads", "length", "recipe",
               "composition_lr")
-#: The composition weights (DCMHA's dynamic projection), whose learning rate
-#: ``composition_lr_scale`` scales.
-COMPOSITION_WEIGHTS = ("dw1", "qkw", "dd")
 #: The recipe table's groups: name -> optimizer settings that differ from the command line's.
 RECIPES = {
     "command line": {},
@@ -293,29 +290,19 @@ def make_optimizer(cfg):
         warmup_steps=warmup, alpha=0.1)
     cls = type(keras.optimizers.get(cfg["optimizer"]))
     accepted = inspect.signature(cls.__init__).parameters
-    scale = cfg.get("composition_lr_scale", 1.0)
-    if scale != 1.0:
-        cls = _composition_scaled(cls, scale)
+
     kwargs = dict(learning_rate=schedule, clipnorm=cfg["clipnorm"],
                   global_clipnorm=cfg["global_clipnorm"])
     if "weight_decay" in accepted:
         kwargs["weight_decay"] = cfg["weight_decay"]
     if "beta_2" in accepted:
         kwargs["beta_2"] = cfg["beta_2"]
-    return cls(**kwargs)
-
-
-def _composition_scaled(cls, scale):
-    """``cls`` whose step on the composition weights uses ``scale`` x the learning rate."""
-
-    class CompositionScaled(cls):
-        def update_step(self, gradient, variable, learning_rate):
-            if variable.path.split("/")[-1] in COMPOSITION_WEIGHTS:
-                learning_rate = learning_rate * scale
-            return super().update_step(gradient, variable, learning_rate)
-
-    CompositionScaled.__name__ = f"{cls.__name__}CompositionScaled"
-    return CompositionScaled
+    optimizer = cls(**kwargs)
+    scale = cfg.get("composition_lr_scale", 1.0)
+    if scale != 1.0:
+        from dcmha.optimizers import with_composition_learning_rate
+        optimizer = with_composition_learning_rate(optimizer, scale)
+    return optimizer
 
 
 def train_run(cfg, corpus, verbose=0):

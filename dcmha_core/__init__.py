@@ -26,8 +26,9 @@ _LAZY = {"DCMHA": "dcmha.layers", "DynamicWeightProjection": "dcmha.layers",
          "SwiGLU": "dcmha.models", "RMSNorm": "dcmha.models",
          "from_official_state_dict": "dcmha.checkpoints",
          "ops": "dcmha.ops", "layers": "dcmha.layers", "models": "dcmha.models",
-         "checkpoints": "dcmha.checkpoints", "distribution": "dcmha.distribution"}
-_MODULES = ("ops", "layers", "models", "checkpoints", "distribution")
+         "checkpoints": "dcmha.checkpoints", "distribution": "dcmha.distribution",
+         "optimizers": "dcmha.optimizers"}
+_MODULES = ("ops", "layers", "models", "checkpoints", "distribution", "optimizers")
 __all__ = ["SPEC_VERSION", "__version__", *_LAZY]
 
 
@@ -43,7 +44,7 @@ def __dir__():
 
 
 #: The modules whose import registers dcmha's Keras-serialisable classes.
-_SERIALIZABLE_MODULES = ("dcmha.layers", "dcmha.models")
+_SERIALIZABLE_MODULES = ("dcmha.layers", "dcmha.models", "dcmha.optimizers")
 _pending = False
 
 
