@@ -231,20 +231,18 @@ def load_corpus(name):
 
 
 def training_windows(train, count, seq_len, seed):
-    """(x, y) (count, seq_len): windows at seeded random starts and their next bytes."""
-    import numpy as np
+    """(x, y) (count, seq_len): windows at seeded random starts and their next bytes (the
+    demo's sampling)."""
+    from dcmha import demo
 
-    starts = np.random.default_rng(seed).integers(0, len(train) - seq_len - 1, size=count)
-    w = np.stack([train[s:s + seq_len + 1] for s in starts])
-    return w[:, :-1], w[:, 1:]
+    return demo.training_windows(train, count, seq_len, seed)
 
 
 def validation_windows(val, count, seq_len):
-    import numpy as np
+    """(x, y) (count, seq_len): evenly spaced windows of the validation split."""
+    from dcmha import demo
 
-    starts = np.linspace(0, len(val) - seq_len - 1, count).astype(int)
-    w = np.stack([val[s:s + seq_len + 1] for s in starts])
-    return w[:, :-1], w[:, 1:]
+    return demo.validation_windows(val, count, seq_len)
 
 
 # ---------------------------------------------------------------------------
