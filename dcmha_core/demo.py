@@ -40,14 +40,18 @@ MODEL = dict(vocab_size=256, num_layers=4, hidden_dim=128, num_heads=4, sliding_
 #: The multi-seed study's result (benchmarks/quality.py; benchmarks/RESULTS.md, "Quality
 #: study"), printed beside the demo's one-seed table.
 STUDY = (
-    "Multi-seed study (python benchmarks/quality.py main|heads|lr|multiplier --layers 2; "
-    "benchmarks/RESULTS.md, 'Quality study'): 2 x 64 byte-level models, 300 steps, "
-    "DCFormer++ minus Transformer++ in validation nats/byte, mean [95% CI], wins:\n"
-    "  4 heads of 16, lr 3e-3: -0.022 [-0.046, +0.002], 4/5 seeds; DCFormer++ at 1x the steps "
-    "= Transformer++ at 1.07x [1.00, 1.14]\n"
-    "  8 heads of 8:  -0.081 [-0.146, -0.016], 3/3;  2 heads of 32: +0.028 [-0.022, +0.078], 0/3\n"
-    "  each at its best of lr 1e-3/3e-3/6e-3 (4 heads of 16): Transformer++ 1.709, DCFormer++ 1.768\n"
-    "  time per step on this kind of CPU: DCFormer++ about 2x Transformer++ at this size.")
+    "Multi-seed study (benchmarks/quality.py; benchmarks/RESULTS.md, 'Quality study'), "
+    "2 x 64 byte-level models, 300 steps, DCFormer++ minus Transformer++ in validation "
+    "nats/byte, mean [95% CI], wins:\n"
+    "  4 heads of 16, lr 3e-3 (5 seeds): -0.022 [-0.046, +0.002], 4/5; DCFormer++ at 1x the "
+    "steps = Transformer++ at 1.07x [1.00, 1.14]\n"
+    "  8 heads of 8, lr 3e-3 (5 seeds): -0.089 [-0.116, -0.062], 5/5; = Transformer++ at "
+    "1.25x [1.18, 1.32]\n"
+    "  8 heads of 8 at Transformer++'s best lr (6e-3), composition weights at 0.1x "
+    "(dcmha.optimizers): -0.041 [-0.070, -0.013], 5/5\n"
+    "  2 heads of 32: +0.028 [-0.022, +0.078], 0/3; at lr 6e-3 without the 0.1x: +0.079 "
+    "(4 heads of 16)\n"
+    "  DCFormer++ takes about 2x the time per step of Transformer++ on this kind of CPU.")
 DEFAULTS = dict(steps=100, seq_len=64, batch_size=16, max_bytes=2_000_000, val_fraction=0.1,
                 val_windows=64, eval_points=6, learning_rate=3e-3, seed=0,
                 sample_prompt="def ", sample_length=120)
