@@ -48,7 +48,7 @@ STUDY = (
     "  8 heads of 8, lr 3e-3 (5 seeds): -0.089 [-0.116, -0.062], 5/5; = Transformer++ at "
     "1.25x [1.18, 1.32]\n"
     "  8 heads of 8 at Transformer++'s best lr (6e-3), composition weights at 0.1x "
-    "(dcmha.optimizers): -0.041 [-0.070, -0.013], 5/5\n"
+    "(dcmha.optimizers): -0.041 [-0.070, -0.013], 5/5; = Transformer++ at 1.14x [1.05, 1.23]\n"
     "  2 heads of 32: +0.028 [-0.022, +0.078], 0/3; at lr 6e-3 without the 0.1x: +0.079 "
     "(4 heads of 16)\n"
     "  DCFormer++ takes about 2x the time per step of Transformer++ on this kind of CPU.")
