@@ -51,7 +51,8 @@ STUDY = (
     "(dcmha.optimizers): -0.041 [-0.070, -0.013], 5/5; = Transformer++ at 1.14x [1.05, 1.23]\n"
     "  2 heads of 32: +0.028 [-0.022, +0.078], 0/3; at lr 6e-3 without the 0.1x: +0.079 "
     "(4 heads of 16)\n"
-    "  DCFormer++ takes about 2x the time per step of Transformer++ on this kind of CPU.")
+    "  time per step on a 2-core CPU: DCFormer++ 2.5x (4 heads of 16) to 3.1x (8 heads of 8) "
+    "Transformer++'s, so per CPU second it loses.")
 DEFAULTS = dict(steps=100, seq_len=64, batch_size=16, max_bytes=2_000_000, val_fraction=0.1,
                 val_windows=64, eval_points=6, learning_rate=3e-3, seed=0,
                 sample_prompt="def ", sample_length=120)

@@ -94,10 +94,10 @@ def _junit_counts(path: Path) -> dict:
 
 #: Rough step durations (seconds, 2-core machine, two steps at a time) for ordering the
 #: steps longest first.
-_EXPECTED_SECONDS = {"conformance": 1000, "keras-jax": 900, "keras-tensorflow": 390,
-                     "keras-torch": 150, "tf-xla": 80, "hub-jax": 80, "keras-numpy": 70,
-                     "hub-tensorflow": 65, "pallas-interpret": 60, "triton-interpret": 50,
-                     "spec": 50, "hub-torch": 30, "dispatch-triton": 15}
+_EXPECTED_SECONDS = {"keras-jax": 960, "conformance": 850, "keras-tensorflow": 330,
+                     "keras-torch": 190, "hub-jax": 85, "spec": 80, "tf-xla": 80,
+                     "keras-numpy": 70, "pallas-interpret": 60, "hub-tensorflow": 60,
+                     "triton-interpret": 50, "hub-torch": 25, "dispatch-triton": 15}
 
 
 def _jax_cache_env(tmp: Path) -> dict:
