@@ -23,7 +23,8 @@ from jax.experimental import pallas as pl
 
 from .specs import compiler_params, grad_outputs, term_inputs
 from .tiles import (STAGES, _compose, _compose_grads, _dot_nn, _dot_tn, _dpp, _grads_of_tile,
-                    _key_range, _kv_heads, _load_terms, _merge, _probs, _query_range, _valid)
+                    _key_range, _key_tile, _kv_heads, _load_terms, _merge, _probs,
+                    _query_range, _valid)
 
 
 def _backward_rows_kernel(*refs, names, opts, n_k):
@@ -38,12 +39,8 @@ def _backward_rows_kernel(*refs, names, opts, n_k):
     tq = {st: _load_terms(r, opts, st, "q", slice(None)) for st in STAGES}
 
     def tile(j):
-        s0 = pl.multiple_of(j * bk, bk)
-        cols = pl.ds(s0, bk)
-        tk = {st: _load_terms(r, opts, st, "k", cols) for st in STAGES}
-        k = [r["k"][kvh[m], cols, :].astype(jnp.float32) for m in range(M)]
+        cols, tk, k, valid = _key_tile(r, opts, kvh, t0, j, bq, bk)
         v = [r["v"][kvh[m], cols, :].astype(jnp.float32) for m in range(M)]
-        valid = _valid(opts, r, t0, s0, bq, bk, slice(None), cols)
         dsc = ([r["dscores"][m, :, cols].astype(jnp.float32) for m in range(M)]
                if opts.scores else None)
         return dsc, k, v, valid, _merge(tq["pre"], tk["pre"]), _merge(tq["post"], tk["post"])

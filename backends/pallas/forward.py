@@ -16,8 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .specs import compiler_params, term_inputs
-from .tiles import (MASKED, STAGES, _compose, _dot_nn, _dot_nt, _key_range, _kv_heads,
-                    _load_terms, _merge, _probs, _valid)
+from .tiles import (MASKED, STAGES, _compose, _dot_nn, _dot_nt, _key_range, _key_tile,
+                    _kv_heads, _load_terms, _merge, _probs)
 
 
 def _forward_kernel(*refs, names, opts, n_k):
@@ -30,12 +30,7 @@ def _forward_kernel(*refs, names, opts, n_k):
     tq = {st: _load_terms(r, opts, st, "q", slice(None)) for st in STAGES}
 
     def tile(j):
-        s0 = pl.multiple_of(j * bk, bk)
-        cols = pl.ds(s0, bk)
-        tk = {st: _load_terms(r, opts, st, "k", cols) for st in STAGES}
-        k = [r["k"][kvh[m], cols, :].astype(jnp.float32) for m in range(M)]
-        valid = _valid(opts, r, t0, s0, bq, bk, slice(None), cols)
-        return cols, tk, k, valid
+        return _key_tile(r, opts, kvh, t0, j, bq, bk)
 
     def lse_step(j, carry):
         mx, sm = carry

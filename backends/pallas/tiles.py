@@ -225,3 +225,14 @@ def _kv_heads(opts):
     """kv head read by each query head of the current group (query head h -> h // rep)."""
     g = pl.program_id(1)
     return [lax.div(g * opts.M + m, opts.rep) for m in range(opts.M)]
+
+
+def _key_tile(r, opts, kvh, t0, j, bq, bk):
+    """Key tile ``j`` of a query tile at ``t0``: (its columns, the key-side compose terms of
+    each stage, the keys of the M heads in float32, the valid-position mask)."""
+    s0 = pl.multiple_of(j * bk, bk)
+    cols = pl.ds(s0, bk)
+    tk = {st: _load_terms(r, opts, st, "k", cols) for st in STAGES}
+    k = [r["k"][kvh[m], cols, :].astype(jnp.float32) for m in range(opts.M)]
+    return cols, tk, k, _valid(opts, r, t0, s0, bq, bk, slice(None), cols)
+
