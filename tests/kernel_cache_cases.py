@@ -15,6 +15,7 @@ append to the file ``$DCMHA_TEST_MARKER``: it must never run, so the marker must
 (``test_planted_library_runs_when_loaded`` shows that loading it does write the marker).
 """
 
+import ctypes
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ import numpy as np
 import pytest
 
 from dcmha.backends import cpu_kernel
+from dcmha.backends.cpu_kernel import build, calls
 from dcmha.spec import reference
 from kernel_cases import assert_close
 
@@ -76,7 +78,7 @@ def golden(tmp_path_factory):
         mp.setenv("DCMHA_CACHE_DIR", str(directory))
         mp.setenv("DCMHA_CPU_KERNEL", "1")
         mp.delenv("CC", raising=False)
-        mp.setattr(cpu_kernel, "_OPT", OPT)
+        mp.setattr(build, "_OPT", OPT)
         cpu_kernel._reset()
         path, reason = cpu_kernel.build_library(cpu_kernel.compose_recipe(), load=False)
         assert path is not None, reason
@@ -102,7 +104,7 @@ def cache(monkeypatch, tmp_path):
     monkeypatch.setenv("DCMHA_TEST_MARKER", str(tmp_path / "marker"))
     for var in ("CC", "CXX"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(cpu_kernel, "_OPT", OPT)
+    monkeypatch.setattr(build, "_OPT", OPT)
     cpu_kernel._reset()
     yield directory
     cpu_kernel._reset()
@@ -179,7 +181,8 @@ def assert_computes_compose(lib, seed=0):
 _ISOLATED = """
 import json
 from dcmha.backends import cpu_kernel
-cpu_kernel._OPT = {opt!r}
+from dcmha.backends.cpu_kernel import build
+build._OPT = {opt!r}
 lib = cpu_kernel.load()
 for _ in range({repeat} - 1):       # again, as a second path of the process would
     cpu_kernel._STATE.clear()
@@ -348,15 +351,15 @@ def _fields(swap=(), extra=()):
     if swap:
         i, j = (next(k for k, (n, _) in enumerate(fields) if n == s) for s in swap)
         fields[i], fields[j] = fields[j], fields[i]
-    return fields + [(n, cpu_kernel.ctypes.c_int64) for n in extra]
+    return fields + [(n, ctypes.c_int64) for n in extra]
 
 
 @pytest.mark.parametrize("change", ["swapped fields", "an extra field"])
 def test_args_layout_mismatch_is_refused(golden, cache, monkeypatch, change):
     """ctypes' ``_Args`` no longer the header's: the library is refused, naming the fields."""
     warm(golden, cache)
-    real = cpu_kernel._Args
-    monkeypatch.setattr(cpu_kernel, "_Args", type("_Args", (cpu_kernel.ctypes.Structure,), {
+    real = calls._Args
+    monkeypatch.setattr(calls, "_Args", type("_Args", (ctypes.Structure,), {
         "_fields_": _fields(swap=("x_b", "x_i")) if change == "swapped fields"
         else _fields(extra=("spare",))}))
     assert cpu_kernel.load() is None
@@ -365,7 +368,7 @@ def test_args_layout_mismatch_is_refused(golden, cache, monkeypatch, change):
                   f"(size 8) in ctypes; field x_i at offset {real.x_i.offset} (size 8) there, "
                   f"{real.x_b.offset} (size 8) in ctypes")
     else:
-        size = cpu_kernel.ctypes.sizeof(real)
+        size = ctypes.sizeof(real)
         detail = f"sizeof(Args) is {size} there, {size + 8} in ctypes; fields only in ctypes: spare"
     assert cpu_kernel.unavailable_reason() == (
         f"the compose library's Args layout (dcmha_args_layout) differs from ctypes' _Args: "
@@ -415,12 +418,12 @@ def test_unusable_compiler_variable_is_refused(monkeypatch, value, reason):
 
 def test_cache_key_covers_compiler_identity_and_flags(monkeypatch):
     name = cpu_kernel.plan(cpu_kernel.compose_recipe())[0].name
-    identity = cpu_kernel._compiler_identity
-    monkeypatch.setattr(cpu_kernel, "_compiler_identity", lambda argv: "cc 0.0 (status 0)")
+    identity = build._compiler_identity
+    monkeypatch.setattr(build, "_compiler_identity", lambda argv: "cc 0.0 (status 0)")
     assert cpu_kernel.plan(cpu_kernel.compose_recipe())[0].name != name
-    monkeypatch.setattr(cpu_kernel, "_compiler_identity", identity)
+    monkeypatch.setattr(build, "_compiler_identity", identity)
     assert cpu_kernel.plan(cpu_kernel.compose_recipe())[0].name == name
-    monkeypatch.setattr(cpu_kernel, "_OPT", ("-O1",))
+    monkeypatch.setattr(build, "_OPT", ("-O1",))
     assert cpu_kernel.plan(cpu_kernel.compose_recipe())[0].name != name
 
 

@@ -25,6 +25,7 @@ from kernel_cache_cases import *  # noqa: E402,F401,F403 - the shared cases run 
 from kernel_cache_cases import _fields  # noqa: E402
 
 from dcmha.backends import cpu_kernel  # noqa: E402
+from dcmha.backends.cpu_kernel import calls  # noqa: E402
 
 framework = importlib.import_module({"jax": "jaxlib", "tensorflow": "tensorflow"}[BACKEND])
 
@@ -56,8 +57,8 @@ def test_framework_library_layouts_are_checked(framework_library, monkeypatch):
     assert recipe.layouts == (cpu_kernel._C_LAYOUT, cpu_kernel._CXX_LAYOUT)
     lib = ctypes.CDLL(path)         # the handle the core opened (TensorFlow: already loaded)
     assert cpu_kernel.check_library(lib, recipe) is None
-    real = cpu_kernel._Args
-    monkeypatch.setattr(cpu_kernel, "_Args", type("_Args", (ctypes.Structure,), {
+    real = calls._Args
+    monkeypatch.setattr(calls, "_Args", type("_Args", (ctypes.Structure,), {
         "_fields_": _fields(swap=("kd_b", "kd_g"))}))
     detail = (f"field kd_b at offset {real.kd_b.offset} (size 8) there, {real.kd_g.offset} "
               f"(size 8) in ctypes; field kd_g at offset {real.kd_g.offset} (size 8) there, "

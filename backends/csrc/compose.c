@@ -1,6 +1,6 @@
 /* The dcmha compose kernel (CPU, float32): one score block's compose, and its backward, in
-   one pass over the block. See dcmha/backends/cpu_kernel.py for what it computes and how it
-   is built and loaded, and dcmha_args.h for its argument block.
+   one pass over the block. See the package dcmha/backends/cpu_kernel/ for what it computes
+   and how it is built and loaded, and dcmha_args.h for its argument block.
 
    Per (batch, query row, group) the forward loads the M heads' values at VL keys at a time
    (one AVX-512 register each), applies every term in registers (residual, static and

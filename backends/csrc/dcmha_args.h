@@ -1,6 +1,6 @@
 /* The argument block of the dcmha compose kernel, shared by the kernel (compose.c), its C++
    wrappers (compose_wrap.h: xla_ffi.cc, tf_op.cc) and Python (ctypes' ``_Args`` in
-   dcmha/backends/cpu_kernel.py, which lists the same fields in the same order).
+   dcmha/backends/cpu_kernel/calls.py, which lists the same fields in the same order).
 
    The layout is not trusted across compilers and languages: every library built from these
    files exports its view of it (DCMHA_DEFINE_ARGS_LAYOUT), and the Python loader compares
