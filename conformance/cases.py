@@ -16,7 +16,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from dcmha.checkpoints._files import MAX_JSON_BYTES, parse_json, short
+from dcmha.checkpoints.files import MAX_JSON_BYTES, parse_json, short
 from dcmha.spec import reference
 
 #: The fixtures shipped with the package.

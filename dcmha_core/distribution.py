@@ -67,6 +67,8 @@ from typing import Dict, Optional, Tuple
 
 import keras
 
+from dcmha import backend as seam
+
 __all__ = ["layout_map", "model_parallel", "sharding_plan", "multi_host_mesh", "gathered_weights",
            "partition_problem", "partitioned"]
 
@@ -257,7 +259,7 @@ def _partition(call):
     None and None: no distribution, or a mesh of one device (nothing to split). A reason:
     the layout cannot be served per shard (a group would straddle devices, or the mesh has
     several axes besides the batch axis)."""
-    if keras.backend.backend() != "jax":
+    if not seam.SHARD_MAP:
         return None, None
     dist = keras.distribution.distribution()
     mesh = getattr(dist, "device_mesh", None)
@@ -388,16 +390,5 @@ def multi_host_mesh(model_size=None):
 def gathered_weights(model):
     """The model's weights as NumPy arrays, whole on every process (``model.weights``
     order). Weights sharded over a mesh that spans processes are all-gathered in one
-    compiled call, a collective that every process must make (as ``process_allgather``,
-    which compiles one call per weight); other values are converted as they are."""
-    values = [v.value for v in model.weights]
-    if keras.backend.backend() != "jax" or all(
-            getattr(x, "is_fully_addressable", True) for x in values):
-        return [keras.ops.convert_to_numpy(x) for x in values]
-    import jax
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    mesh = next(x.sharding.mesh for x in values if isinstance(x.sharding, NamedSharding))
-    whole = jax.jit(lambda xs: xs, out_shardings=NamedSharding(mesh, PartitionSpec()))(values)
-    return [np.asarray(x.addressable_data(0)) for x in whole]
+    compiled call, a collective that every process must make."""
+    return seam.whole_values([v.value for v in model.weights])

@@ -9,7 +9,8 @@ __all__ = ["readable_value", "to_layer_device", "arange_int32", "stack", "unstac
            "eager_slice_write", "cache_writer", "step_dynamic_weights", "fused_query",
            "fused_query_projection",
            "call_sublayer", "on_cpu", "LOOPED_CHUNKS", "decode_step", "step_index",
-           "prepare_export", "DEMO_JIT_COMPILE"]
+           "prepare_export", "DEMO_JIT_COMPILE", "TORCH_MODULES", "SHARD_MAP",
+           "whole_values"]
 
 
 def readable_value(x):
@@ -121,3 +122,19 @@ def prepare_export(format):
 
 #: ``jit_compile`` of the demo's ``Model.compile``.
 DEMO_JIT_COMPILE = "auto"
+
+
+#: Whether a built Keras model can be wrapped as a ``torch.nn.Module``
+#: (``dcmha.engines.torch_module``).
+TORCH_MODULES = False
+
+#: Whether ``dcmha.distribution.partitioned`` can run a fast path per shard of a device
+#: mesh (``shard_map``); elsewhere the active distribution is left to the backend.
+SHARD_MAP = False
+
+
+def whole_values(values):
+    """``values`` (arrays, possibly sharded over devices) as whole NumPy arrays on every
+    process."""
+    from keras import ops
+    return [np.asarray(ops.convert_to_numpy(x)) for x in values]

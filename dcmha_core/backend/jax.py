@@ -6,6 +6,7 @@ from dcmha.backend._common import *  # noqa: F401,F403
 from dcmha.backend._common import __all__  # noqa: F401
 from dcmha.backend._common import _last_logits
 from dcmha.backend._common import readable_value as _readable
+from dcmha.backend._common import whole_values as _whole_values
 
 
 def readable_value(x):
@@ -51,3 +52,21 @@ def decode_step(model):
     tv = [v.value for v in model.trainable_variables]
     ntv = [v.value for v in model.non_trainable_variables]
     return lambda tokens, cache, index: model._jax_decode_step(tv, ntv, tokens, cache, index)
+
+
+SHARD_MAP = True
+
+
+def whole_values(values):
+    """Whole NumPy arrays on every process. Arrays sharded over a mesh that spans
+    processes are all-gathered in one compiled call, a collective that every process must
+    make (as ``process_allgather``, which compiles one call per array); other values are
+    converted as they are."""
+    if all(getattr(x, "is_fully_addressable", True) for x in values):
+        return _whole_values(values)
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = next(x.sharding.mesh for x in values if isinstance(x.sharding, NamedSharding))
+    whole = jax.jit(lambda xs: xs, out_shardings=NamedSharding(mesh, PartitionSpec()))(values)
+    return [np.asarray(x.addressable_data(0)) for x in whole]

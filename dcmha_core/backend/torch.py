@@ -151,3 +151,6 @@ def prepare_export(format):
     if format == "onnx":
         from dcmha.backends.torch_native import onnx_symbolic
         onnx_symbolic.register_rms_norm()
+
+
+TORCH_MODULES = True

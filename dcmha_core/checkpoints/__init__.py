@@ -6,16 +6,17 @@
                   torch; the pickle is read by a restricted machine that runs no code
     safetensors   .safetensors files, read and written with NumPy alone
     release_dir   checkpoint directories in the release layout, local or ``hf://owner/name``
+    files         what the readers share: limits, bounded JSON reading, file labels for
+                  messages, the bfloat16 / float8 conversions
 
 Every file is read as untrusted input: a malformed one raises a ValueError (an OSError
 when it cannot be read) naming the file and what is wrong in it, after bounded work.
 """
 
-# _assign_all (used by dcmha.hub.backbone) and the bfloat16 conversions (used by the tests)
-# are kept under their names of the single-module layout.
-from dcmha.checkpoints._files import bfloat16_to_float32 as _bfloat16_to_float32  # noqa: F401
-from dcmha.checkpoints._files import float32_to_bfloat16 as _float32_to_bfloat16  # noqa: F401
-from dcmha.checkpoints.convert import (OFFICIAL_DEFAULTS, _assign_all,  # noqa: F401
+# The bfloat16 conversions (used by the tests) keep their names of the single-module layout.
+from dcmha.checkpoints.files import bfloat16_to_float32 as _bfloat16_to_float32  # noqa: F401
+from dcmha.checkpoints.files import float32_to_bfloat16 as _float32_to_bfloat16  # noqa: F401
+from dcmha.checkpoints.convert import (OFFICIAL_DEFAULTS, assign_official_state_dict,
                                        from_official_state_dict, official_config_to_kwargs,
                                        official_intermediate_size, official_model_arguments,
                                        to_official_state_dict)
@@ -29,4 +30,4 @@ __all__ = ["from_official_state_dict", "official_config_to_kwargs", "to_official
            "official_model_arguments", "read_torch_bin", "read_safetensors",
            "load_official_state_dict", "read_official_config", "from_official_directory",
            "resolve_checkpoint_dir", "write_official_directory", "official_intermediate_size",
-           "OFFICIAL_DEFAULTS"]
+           "OFFICIAL_DEFAULTS", "assign_official_state_dict"]

@@ -36,8 +36,8 @@ from typing import Mapping
 
 import numpy as np
 
-from dcmha.checkpoints._files import is_int as _is_int
-from dcmha.checkpoints._files import short
+from dcmha.checkpoints.files import is_int as _is_int
+from dcmha.checkpoints.files import short
 
 #: Defaults of the official DCFormerConfig for the keys that matter here.
 OFFICIAL_DEFAULTS = dict(
@@ -240,7 +240,7 @@ def from_official_state_dict(state_dict: Mapping, config, *, dtype=None, **overr
     sd, kw, args = official_model_arguments(state_dict, config, dtype=dtype, **overrides)
     model = _registered_model_class()(**args)
     model.build((None, None))
-    _assign_all(model, sd, kw)
+    assign_official_state_dict(model, sd, kw)
     return model
 
 
@@ -311,7 +311,12 @@ def _assign(variable, value):
     variable.assign(np.asarray(value, dtype=variable.dtype))
 
 
-def _assign_all(model, sd, kw):
+def assign_official_state_dict(model, sd, kw):
+    """Assign the official state dict ``sd`` (NumPy arrays by official name) to ``model``'s
+    variables. ``model`` is a `DCFormerLM` or any object with its attributes
+    (``tok_embeddings``, ``norm``, ``output_projection``, ``blocks``); ``kw`` gives the
+    sizes (``hidden_dim``, ``num_heads``, ``head_dim``, ``num_key_value_heads``) and the
+    switches (``attention``, ``qk_norm``), as `official_model_arguments` returns them."""
     D, N, d = kw["hidden_dim"], kw["num_heads"], kw["head_dim"]
     N_kv = kw["num_key_value_heads"] or N
     _assign(model.tok_embeddings.embeddings, sd["tok_embeddings.weight"])

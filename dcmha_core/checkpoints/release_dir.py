@@ -8,7 +8,7 @@
     tokenizer.json                               (read by dcmha.hub.DCFormerTokenizer)
 
 An index file is JSON {"metadata": {...}, "weight_map": {name: shard file name}}. Every
-file is read as untrusted input (see `dcmha.checkpoints._files`): a bad one raises a
+file is read as untrusted input (see `dcmha.checkpoints.files`): a bad one raises a
 ValueError naming it.
 """
 
@@ -20,7 +20,7 @@ from typing import Mapping
 
 import numpy as np
 
-from dcmha.checkpoints._files import (float32_to_bfloat16, is_int, label, read_json_object,
+from dcmha.checkpoints.files import (float32_to_bfloat16, is_int, label, read_json_object,
                                       short)
 from dcmha.checkpoints.convert import (_to_numpy, from_official_state_dict,
                                        official_config_to_kwargs)

@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from dcmha.checkpoints._files import (MAX_DIM, MAX_JSON_BYTES, MAX_RANK, bfloat16_to_float32,
+from dcmha.checkpoints.files import (MAX_DIM, MAX_JSON_BYTES, MAX_RANK, bfloat16_to_float32,
                                       float8_to_float32, is_int, label, parse_json, short)
 
 #: safetensors dtype codes -> the dtype names the writer takes ("bfloat16": uint16 words).

@@ -23,7 +23,7 @@ import zlib
 
 import numpy as np
 
-from dcmha.checkpoints._files import (MAX_DIM, MAX_RANK, bfloat16_to_float32, is_int, label,
+from dcmha.checkpoints.files import (MAX_DIM, MAX_RANK, bfloat16_to_float32, is_int, label,
                                       short)
 
 #: torch storage classes -> NumPy dtype of their elements ("bfloat16": uint16 words,

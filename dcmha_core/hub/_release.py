@@ -11,7 +11,7 @@ def read_tokenizer_json(path):
     `tokenizers` library's own parse; a ValueError naming the file otherwise."""
     from tokenizers import Tokenizer
 
-    from dcmha.checkpoints._files import label, read_json_object
+    from dcmha.checkpoints.files import label, read_json_object
 
     read_json_object(path, "tokenizer")          # size, UTF-8, nesting, an object
     with open(path, encoding="utf-8") as f:
@@ -36,7 +36,7 @@ def release_dir(preset):
     config.json and tokenizer.json (when there is one) are checked here, before any
     weight is read: a ValueError naming the file when either is malformed."""
     from dcmha.checkpoints import read_official_config, resolve_checkpoint_dir
-    from dcmha.checkpoints._files import read_json_object
+    from dcmha.checkpoints.files import read_json_object
 
     if isinstance(preset, os.PathLike):
         preset = os.fspath(preset)

@@ -104,7 +104,7 @@ class DCFormerBackbone(Backbone):
         kw = dict(hidden_dim=self.hidden_dim, num_heads=self.num_heads, head_dim=self.head_dim,
                   num_key_value_heads=self.arguments["num_key_value_heads"],
                   attention=self.arguments["attention"], qk_norm=bool(self.arguments["qk_norm"]))
-        checkpoints._assign_all(lm, sd, kw)
+        checkpoints.assign_official_state_dict(lm, sd, kw)
         return lm
 
     @classmethod
@@ -123,5 +123,5 @@ class DCFormerBackbone(Backbone):
         sd, kw, args = checkpoints.official_model_arguments(state_dict, config, **kwargs)
         backbone = cls(**args)
         if load_weights:
-            checkpoints._assign_all(backbone._lm_view(), sd, kw)
+            checkpoints.assign_official_state_dict(backbone._lm_view(), sd, kw)
         return backbone

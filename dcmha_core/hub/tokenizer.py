@@ -10,7 +10,7 @@ from keras_hub.src.utils.tensor_utils import (canonicalize_python_string_inputs,
                                               preprocessing_function)
 
 from dcmha.checkpoints import read_official_config
-from dcmha.checkpoints._files import short
+from dcmha.checkpoints.files import short
 from dcmha.hub.backbone import DCFormerBackbone
 from dcmha.hub._release import (TOKENIZER_FILE, check_tokenizer_text, read_tokenizer_json,
                                 release_dir)

@@ -1,0 +1,63 @@
+"""The package's house rules, read from the source (nothing is imported):
+
+- no library module is longer than ``MAX_LINES`` lines;
+- outside the registry (``dcmha.registry``) and the backend seam (``dcmha.backend``), no
+  module of ``dcmha_core/`` or ``export/`` compares with a Keras backend name or keys a
+  table on one: backend-specific code lives behind the seam or in ``backends/``.
+"""
+
+import pytest
+
+from test_reference_imports import _modules, backend_comparisons
+
+#: The longest a library module may be (issue "one concept per file").
+MAX_LINES = 700
+#: The modules allowed to name backends: the registry and the seam.
+NAMING_BACKENDS = ("dcmha.registry", "dcmha.backend")
+#: Comparisons that name no Keras backend behaviour, with the count the check sees.
+NOT_BACKEND_BEHAVIOUR = {
+    # the pickle module "torch" of a saved storage type (torch.FloatStorage, ...)
+    "dcmha.checkpoints.torch_bin": 1,
+    # `python -m dcmha demo --backend X` refuses when Keras is already imported with
+    # another backend
+    "dcmha.demo": 1,
+}
+
+
+def _shared(modules):
+    """The modules of ``dcmha_core/`` and ``export/`` that must name no backend."""
+    return {m: p for m, p in modules.items()
+            if (m == "dcmha" or (m.startswith("dcmha.") and m.split(".")[1] not in
+                                 ("spec", "backends", "conformance")) or
+                m.startswith("dcmha.export"))
+            and not any(m == n or m.startswith(n + ".") for n in NAMING_BACKENDS)}
+
+
+def test_no_library_module_over_the_line_limit():
+    modules = _modules()
+    assert len(modules) > 50
+    long = {m: n for m, p in modules.items()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_shared_modules_cover_core_and_export():
+    shared = _shared(_modules())
+    for name in ("dcmha.layers", "dcmha.ops", "dcmha.models", "dcmha.engines",
+                 "dcmha.distribution", "dcmha.export", "dcmha.hub.backbone"):
+        assert any(m == name or m.startswith(name + ".") for m in shared), name
+    assert not any(m.startswith(("dcmha.backend.", "dcmha.backends")) for m in shared)
+    assert "dcmha.registry" not in shared and "dcmha.backend" not in shared
+
+
+@pytest.mark.parametrize("tree", ["core", "export"])
+def test_core_and_export_name_no_backend(tree):
+    shared = _shared(_modules())
+    if tree == "export":
+        shared = {m: p for m, p in shared.items() if m.startswith("dcmha.export")}
+    else:
+        shared = {m: p for m, p in shared.items() if not m.startswith("dcmha.export")}
+    assert shared
+    found = {m: len(backend_comparisons(p)) for m, p in shared.items()}
+    assert {m: n for m, n in found.items() if n} == {
+        m: n for m, n in NOT_BACKEND_BEHAVIOUR.items() if m in shared}
