@@ -34,7 +34,7 @@ torch = pytest.importorskip("torch")
 import kernel_cases  # noqa: E402
 from dcmha.backends import cpu_kernel  # noqa: E402
 from dcmha.backends import torch_native as tn  # noqa: E402
-from dcmha.backends.torch_native import dcmha_torch, keras_core  # noqa: E402
+from dcmha.backends.torch_native import blocks, dcmha_torch, keras_core  # noqa: E402
 from kernel_cases import TERMS, assert_close, spec_result  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -243,10 +243,11 @@ def test_threads_give_the_same_result(monkeypatch):
     p = make_problem(13, T=16, S=16)
     results = []
     for workers in (1, 3):
-        monkeypatch.setattr(dcmha_torch, "_MAX_WORKERS", workers)
+        monkeypatch.setattr(blocks, "_MAX_WORKERS", workers)
         previous = torch.get_num_threads()
-        torch.set_num_threads(max(previous, workers))
+        torch.set_num_threads(max(previous, workers, 2))
         try:
+            assert blocks._workers(torch.device("cpu"), 8) == workers     # the patch applies
             results.append(run(tn.dcmha_attention, p, "float32", dict(causal=True, block_q=2)))
         finally:
             torch.set_num_threads(previous)
@@ -347,13 +348,13 @@ def test_grad_modes_in_any_order_reuse_the_block_buffers(monkeypatch, workers, m
             torch.set_num_threads(previous)
 
     monkeypatch.setattr(dcmha_torch, "_scores", first_block_waits)
-    monkeypatch.setattr(dcmha_torch, "_MAX_WORKERS", workers)
-    monkeypatch.setattr(dcmha_torch, "_POOL", None)              # new worker threads
+    monkeypatch.setattr(blocks, "_MAX_WORKERS", workers)
+    monkeypatch.setattr(blocks, "_POOL", None)                   # new worker threads
     try:
         results = _in_a_new_thread(calls)
     finally:
-        if dcmha_torch._POOL is not None:
-            dcmha_torch._POOL[1].shutdown()
+        if blocks._POOL is not None:
+            blocks._POOL[1].shutdown()
     assert len(started) == workers                  # the new thread and the pool's
     for o in results[1:]:
         torch.testing.assert_close(o, results[0], rtol=0, atol=0)
