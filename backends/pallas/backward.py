@@ -6,7 +6,7 @@ Both recompute the forward tiles with the math of ``spec/reference_grad.py``:
      output) is the post-compose transpose of dO.V^T, a reduction over every key tile
      (it replaces FlashAttention's rowsum(dO * O), which no longer holds); (2)
      dA = P (dP - delta), dScores = pre-compose transpose of dA; accumulate dq, every
-     query-side weight gradient and the static-weight gradients as per-row partial sums.
+     query-side weight gradient and the static-weight gradients (one sum per tile).
   columns, grid (B, G, S / block_k), loop over query tiles: the same recomputation;
      accumulate dk, dv (per query head, summed onto the kv heads afterwards so groups
      never race) and every key-side weight gradient.
@@ -22,129 +22,76 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .specs import compiler_params, grad_outputs, term_inputs
-from .tiles import (STAGES, _compose, _compose_grads, _dot_nn, _dot_tn, _dpp, _grads_of_tile,
-                    _key_range, _key_tile, _kv_heads, _load_terms, _merge, _probs,
-                    _query_range, _valid)
+from .tiles import (F32, STAGES, Tile, _dot_nn, _dot_tn, _grad_zeros, _heads, _key_range, _put,
+                    _query_range, _row_vector, _store_grads, _store_heads, _take)
 
 
 def _backward_rows_kernel(*refs, names, opts, n_k):
     """One (batch, group, query tile): delta pass, then dq and query-side weight gradients."""
     r = dict(zip(names, refs))
-    M, (bq, bk) = opts.M, opts.blocks[2:]
-    t0 = pl.program_id(2) * bq
-    kvh = _kv_heads(opts)
-    q = [r["q"][m].astype(jnp.float32) for m in range(M)]
-    do = [r["do"][m].astype(jnp.float32) for m in range(M)]
-    lse = [r["lse"][m][:, None] for m in range(M)]
-    tq = {st: _load_terms(r, opts, st, "q", slice(None)) for st in STAGES}
+    bq, bk = opts.blocks[2:]
+    g, t0 = pl.program_id(1), pl.program_id(2) * bq
 
     def tile(j):
-        cols, tk, k, valid = _key_tile(r, opts, kvh, t0, j, bq, bk)
-        v = [r["v"][kvh[m], cols, :].astype(jnp.float32) for m in range(M)]
-        dsc = ([r["dscores"][m, :, cols].astype(jnp.float32) for m in range(M)]
-               if opts.scores else None)
-        return dsc, k, v, valid, _merge(tq["pre"], tk["pre"]), _merge(tq["post"], tk["post"])
+        s0 = pl.multiple_of(j * bk, bk)
+        return Tile(opts, r, g, t0, s0, slice(None), pl.ds(s0, bk), bq, bk)
+
+    lse = _row_vector(opts, r, "lse", slice(None), bq)
 
     def delta_step(j, delta):
-        dsc, k, v, valid, tp, tpost = tile(j)
-        _, p = _probs(opts, q, k, tp, valid, lse)
-        dpp = _dpp(opts, do, v, dsc, valid)
-        dp = _compose(dpp, tpost, transpose=True) if opts.post else dpp
-        return [delta[m] + jnp.sum(p[m] * dp[m], axis=1) for m in range(M)]
+        x = tile(j)
+        return delta + jnp.sum(x.probs(lse)[1] * x.dp(x.dpp()), axis=2)
 
     lo, hi = _key_range(opts, t0, bq, bk, n_k)
-    zeros = lambda: jnp.zeros((bq,), jnp.float32)  # noqa: E731
-    delta = lax.fori_loop(lo, hi, delta_step, [zeros() for _ in range(M)])
-    delta_col = [x[:, None] for x in delta]
-
-    # Gradient accumulators: dq per head and the query-side weight gradients.
-    def grad_zeros(stage):
-        return {n: jax.tree.map(lambda _: zeros(), v) for n, v in tq[stage].items()}
+    delta = lax.fori_loop(lo, hi, delta_step, jnp.zeros((opts.H, bq), F32))
 
     def grad_step(j, carry):
         dq, gw = carry
-        dsc, k, v, valid, tp, tpost = tile(j)
-        s, p, dpp, da, ds = _grads_of_tile(opts, q, k, v, do, dsc, lse, delta_col, tp, tpost,
-                                              valid)
-        dq = [dq[m] + _dot_nn(opts, ds[m], k[m]) * opts.scale for m in range(M)]
-        new = {"pre": _compose_grads(s, da, tq["pre"], "q", 1) if opts.pre else {},
-               "post": _compose_grads(p, dpp, tq["post"], "q", 1) if opts.post else {}}
-        gw = {st: jax.tree.map(jnp.add, gw[st], new[st]) for st in STAGES}
-        return dq, gw
+        x = tile(j)
+        s, p, dpp, da, ds = x.grads(lse, delta[:, :, None])
+
+        def head(m, dq):
+            return _put(dq, m, _dot_nn(opts, _take(ds, m), x.k(m)) * opts.scale, add=True)
+        return _heads(opts, head, dq), x.weight_grads(gw, "q", s, p, dpp, da)
 
     d_p = r["q"].shape[-1]
-    init = ([jnp.zeros((bq, d_p), jnp.float32) for _ in range(M)],
-            {st: grad_zeros(st) for st in STAGES})
+    init = (jnp.zeros((opts.H, bq, d_p), F32),
+            {st: _grad_zeros(opts, st, "q", bq) for st in STAGES})
     dq, gw = lax.fori_loop(lo, hi, grad_step, init)
-    for m in range(M):
-        r["dq"][m] = dq[m]
-        r["delta"][m] = delta[m]
-    _store_weight_grads(r, opts, gw)
+    _store_heads(opts, ((r["dq"], dq), (r["delta"], delta)))
+    _store_grads(r, gw)
 
 
 def _backward_cols_kernel(*refs, names, opts, n_q):
     """One (batch, group, key tile): dk, dv and key-side weight gradients over query tiles."""
     r = dict(zip(names, refs))
-    M, (bq, bk) = opts.M, opts.blocks[2:]
-    s0 = pl.program_id(2) * bk
-    kvh = _kv_heads(opts)
-    k = [r["k"][kvh[m]].astype(jnp.float32) for m in range(M)]
-    v = [r["v"][kvh[m]].astype(jnp.float32) for m in range(M)]
-    tk = {st: _load_terms(r, opts, st, "k", slice(None)) for st in STAGES}
-    zeros = lambda: jnp.zeros((bk,), jnp.float32)  # noqa: E731
+    bq, bk = opts.blocks[2:]
+    g, s0 = pl.program_id(1), pl.program_id(2) * bk
 
     def grad_step(i, carry):
         dk, dv, gw = carry
         t0 = pl.multiple_of(i * bq, bq)
+        x = Tile(opts, r, g, t0, s0, pl.ds(t0, bq), slice(None), bq, bk)
         rows = pl.ds(t0, bq)
-        tq = {st: _load_terms(r, opts, st, "q", rows) for st in STAGES}
-        q = [r["q"][m, rows, :].astype(jnp.float32) for m in range(M)]
-        do = [r["do"][m, rows, :].astype(jnp.float32) for m in range(M)]
-        lse = [r["lse"][m, rows][:, None] for m in range(M)]
-        delta = [r["delta"][m, rows][:, None] for m in range(M)]
-        valid = _valid(opts, r, t0, s0, bq, bk, rows, slice(None))
-        dsc = ([r["dscores"][m, rows, :].astype(jnp.float32) for m in range(M)]
-               if opts.scores else None)
-        s, p, dpp, da, ds = _grads_of_tile(opts, q, k, v, do, dsc, lse, delta,
-                                              _merge(tq["pre"], tk["pre"]),
-                                              _merge(tq["post"], tk["post"]), valid)
-        pp = _compose(p, _merge(tq["post"], tk["post"])) if opts.post else p
-        dv = [dv[m] + _dot_tn(opts, jnp.where(valid, pp[m], 0.0), do[m]) for m in range(M)]
-        dk = [dk[m] + _dot_tn(opts, ds[m], q[m]) * opts.scale for m in range(M)]
-        new = {"pre": _compose_grads(s, da, tk["pre"], "k", 0) if opts.pre else {},
-               "post": _compose_grads(p, dpp, tk["post"], "k", 0) if opts.post else {}}
-        gw = {st: jax.tree.map(jnp.add, gw[st], new[st]) for st in STAGES}
-        return dk, dv, gw
+        s, p, dpp, da, ds = x.grads(_row_vector(opts, r, "lse", rows, bq),
+                                    _row_vector(opts, r, "delta", rows, bq))
+        pp = x.post_probs(p)
+
+        def head(m, carry):
+            dk, dv = carry
+            dv = _put(dv, m, _dot_tn(opts, _take(pp, m), x.do(m)), add=True)
+            dk = _put(dk, m, _dot_tn(opts, _take(ds, m), x.q(m)) * opts.scale, add=True)
+            return dk, dv
+        dk, dv = _heads(opts, head, (dk, dv))
+        return dk, dv, x.weight_grads(gw, "k", s, p, dpp, da)
 
     lo, hi = _query_range(opts, s0, bq, bk, n_q)
     d_p, dv_p = r["k"].shape[-1], r["v"].shape[-1]
-    init = ([jnp.zeros((bk, d_p), jnp.float32) for _ in range(M)],
-            [jnp.zeros((bk, dv_p), jnp.float32) for _ in range(M)],
-            {st: {n: jax.tree.map(lambda _: zeros(), x) for n, x in tk[st].items()}
-             for st in STAGES})
+    init = (jnp.zeros((opts.H, bk, d_p), F32), jnp.zeros((opts.H, bk, dv_p), F32),
+            {st: _grad_zeros(opts, st, "k", bk) for st in STAGES})
     dk, dv, gw = lax.fori_loop(lo, hi, grad_step, init)
-    for m in range(M):
-        r["dk"][m] = dk[m]
-        r["dv"][m] = dv[m]
-    _store_weight_grads(r, opts, gw)
-
-
-def _store_weight_grads(r, opts, gw):
-    """Write the accumulated weight-gradient vectors of this kernel's side (and static rows)."""
-    for st in STAGES:
-        for name, val in gw[st].items():
-            ref = r[f"d{st}_{name}"]
-            if name == "static":
-                for m in range(opts.M):
-                    for n in range(opts.M):
-                        ref[m, n] = val[m][n]
-            elif name.endswith("dd"):
-                for m in range(opts.M):
-                    ref[m] = val[m]
-            else:
-                for i, row in enumerate(val):
-                    for m in range(opts.M):
-                        ref[i, m] = row[m]
+    _store_heads(opts, ((r["dk"], dk), (r["dv"], dv)))
+    _store_grads(r, gw)
 
 
 def backward(opts, q, k, v, terms, mask, lse, do, dscores):
@@ -233,5 +180,5 @@ def backward(opts, q, k, v, terms, mask, lse, do, dscores):
     for st in STAGES:
         for n in getattr(opts, st):
             g = grads[f"d{st}_{n}"]
-            dterms[st][n] = g.sum(axis=(0, 4)) if n == "static" else g
+            dterms[st][n] = g.sum(axis=(0, 2)) if n == "static" else g
     return dq, dk, dv, dterms

@@ -120,6 +120,15 @@ class _Opts:
     def rank(self, stage, side):
         return dict(((st, sd), r) for st, sd, r in self.ranks)[stage, side]
 
+    def rank_pad(self, stage, side):
+        """The rank rounded up to a power of two (the kernels' layout of the w1 / w2 terms)."""
+        return _next_pow2(self.rank(stage, side))
+
+    @property
+    def H(self):
+        """M rounded up to a power of two: the head axis of the kernels' tiles and terms."""
+        return _next_pow2(self.M)
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(opts, q, k, v, terms, mask):
@@ -287,17 +296,21 @@ def dcmha_attention_call(call, *, scale=None, block_sizes: Optional[BlockSizes] 
         x = jnp.swapaxes(x, 1, 2)
         return jnp.pad(x, ((0, 0), (0, 0), (0, L_p - x.shape[2]), (0, h_p - x.shape[3])))
 
-    def term_layout(n, x):
-        if n == "static":
-            return x
-        L_p = T_p if n[0] == "q" else S_p
-        if n.endswith("dd"):   # (B, L, G, M) -> (B, G, M, L_p)
-            x = jnp.transpose(x, (0, 2, 3, 1))
-        else:                  # (B, L, G, R, M) -> (B, G, R, M, L_p)
-            x = jnp.transpose(x, (0, 2, 3, 4, 1))
-        return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, L_p - x.shape[-1])])
+    H = opts.H
 
-    terms = {st: {n: term_layout(n, x) for n, x in ts.items()} for st, ts in stages.items()}
+    def term_layout(st, n, x):
+        """Heads padded to H, ranks to R_p, the sequence (last) to its padded length."""
+        if n == "static":      # (G, M, M) -> (G, H, H)
+            return jnp.pad(x, ((0, 0), (0, H - M), (0, H - M)))
+        L_p = T_p if n[0] == "q" else S_p
+        if n.endswith("dd"):   # (B, L, G, M) -> (B, G, H, L_p)
+            x, lead = jnp.transpose(x, (0, 2, 3, 1)), []
+        else:                  # (B, L, G, R, M) -> (B, G, R_p, H, L_p)
+            x = jnp.transpose(x, (0, 2, 3, 4, 1))
+            lead = [(0, opts.rank_pad(st, n[0]) - x.shape[2])]
+        return jnp.pad(x, [(0, 0)] * 2 + lead + [(0, H - M), (0, L_p - x.shape[-1])])
+
+    terms = {st: {n: term_layout(st, n, x) for n, x in ts.items()} for st, ts in stages.items()}
     mask_k = None
     if mask is not None:
         mask_k = jnp.broadcast_to(kernel_call.shared_mask(jnp.asarray(mask)), (B, T, S))

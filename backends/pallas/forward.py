@@ -16,62 +16,51 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .specs import compiler_params, term_inputs
-from .tiles import (MASKED, STAGES, _compose, _dot_nn, _dot_nt, _key_range, _key_tile,
-                    _kv_heads, _load_terms, _merge, _probs)
+from .tiles import (F32, MASKED, Tile, _dot_nn, _heads, _key_range, _put, _store_heads,
+                    _take)
 
 
 def _forward_kernel(*refs, names, opts, n_k):
     """One (batch, group, query tile): lse pass then output pass over the key tiles."""
     r = dict(zip(names, refs))
-    M, (bq, bk) = opts.M, opts.blocks[:2]
-    t0 = pl.program_id(2) * bq
-    kvh = _kv_heads(opts)
-    q = [r["q"][m].astype(jnp.float32) for m in range(M)]
-    tq = {st: _load_terms(r, opts, st, "q", slice(None)) for st in STAGES}
+    bq, bk = opts.blocks[:2]
+    g, t0 = pl.program_id(1), pl.program_id(2) * bq
 
     def tile(j):
-        return _key_tile(r, opts, kvh, t0, j, bq, bk)
+        s0 = pl.multiple_of(j * bk, bk)
+        return Tile(opts, r, g, t0, s0, slice(None), pl.ds(s0, bk), bq, bk)
 
     def lse_step(j, carry):
         mx, sm = carry
-        _, tk, k, valid = tile(j)
-        s = [_dot_nt(opts, q[m], k[m]) * opts.scale for m in range(M)]
-        a = _compose(s, _merge(tq["pre"], tk["pre"])) if opts.pre else s
-        new_mx, new_sm = [], []
-        for m in range(M):
-            mx_m = jnp.maximum(mx[m], jnp.max(jnp.where(valid, a[m], MASKED), axis=1))
-            e = jnp.where(valid, jnp.exp(a[m] - mx_m[:, None]), 0.0)
-            new_sm.append(sm[m] * jnp.exp(mx[m] - mx_m) + jnp.sum(e, axis=1))
-            new_mx.append(mx_m)
-        return new_mx, new_sm
+        x = tile(j)
+        s = x.scores()
+        a = jnp.where(x.valid, x.pre_composed(s), MASKED)
+        new_mx = jnp.maximum(mx, jnp.max(a, axis=2))
+        e = jnp.where(x.valid, jnp.exp(a - new_mx[:, :, None]), 0.0)
+        return new_mx, sm * jnp.exp(mx - new_mx) + jnp.sum(e, axis=2)
 
     lo, hi = _key_range(opts, t0, bq, bk, n_k)
-    init = ([jnp.full((bq,), MASKED, jnp.float32) for _ in range(M)],
-            [jnp.zeros((bq,), jnp.float32) for _ in range(M)])
+    init = (jnp.full((opts.H, bq), MASKED, F32), jnp.zeros((opts.H, bq), F32))
     mx, sm = lax.fori_loop(lo, hi, lse_step, init)
     # A fully masked row has sum 0: any finite lse works, P is zeroed by the mask.
-    lse = [jnp.where(sm[m] > 0, mx[m] + jnp.log(jnp.where(sm[m] > 0, sm[m], 1.0)), 0.0)
-           for m in range(M)]
+    lse = jnp.where(sm > 0, mx + jnp.log(jnp.where(sm > 0, sm, 1.0)), 0.0)
 
     def out_step(j, acc):
-        cols, tk, k, valid = tile(j)
-        _, p = _probs(opts, q, k, _merge(tq["pre"], tk["pre"]), valid,
-                      [x[:, None] for x in lse])
-        pp = _compose(p, _merge(tq["post"], tk["post"])) if opts.post else p
-        pp = [jnp.where(valid, x, 0.0) for x in pp]
-        if opts.scores:
-            for n in range(M):
-                r["scores"][n, :, cols] = pp[n].astype(r["scores"].dtype)
-        return [acc[n] + _dot_nn(opts, pp[n], r["v"][kvh[n], cols, :].astype(jnp.float32))
-                for n in range(M)]
+        x = tile(j)
+        pp = x.post_probs(x.probs(lse[:, :, None])[1])
+
+        def head(m, acc):
+            pm = _take(pp, m)
+            if opts.scores:
+                r["scores"][m, :, x.cols] = pm.astype(r["scores"].dtype)
+            return _put(acc, m, _dot_nn(opts, pm, x.v(m)), add=True)
+        return _heads(opts, head, acc)
 
     dv_p = r["o"].shape[-1]
     if opts.scores:  # every tile of the returned scores is written, skipped ones as 0
         lo, hi = 0, n_k
-    acc = lax.fori_loop(lo, hi, out_step, [jnp.zeros((bq, dv_p), jnp.float32) for _ in range(M)])
-    for m in range(M):
-        r["o"][m] = acc[m].astype(r["o"].dtype)
-        r["lse"][m] = lse[m]
+    acc = lax.fori_loop(lo, hi, out_step, jnp.zeros((opts.H, bq, dv_p), F32))
+    _store_heads(opts, ((r["o"], acc), (r["lse"], lse)))
 
 
 def forward(opts, q, k, v, terms, mask):

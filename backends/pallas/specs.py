@@ -2,8 +2,10 @@
 
 Kernel layouts (made by ``dcmha_pallas``): q (B,N,T_p,d_p), k (B,N_kv,S_p,d_p),
 v (B,N_kv,S_p,dv_p), do (B,N,T_p,dv_p), lse/delta (B,N,T_p) float32, mask (B,T_p,S_p)
-int8, qw1/qw2 (B,G,R,M,T_p), kw1/kw2 (B,G,R,M,S_p), qdd (B,G,M,T_p), kdd (B,G,M,S_p),
-static (G,M,M).
+int8; the compose terms with the M heads of a group zero-padded to H (a power of two) and
+the ranks R to R_p: qw1/qw2 (B,G,R_p,H,T_p), kw1/kw2 (B,G,R_p,H,S_p), qdd (B,G,H,T_p),
+kdd (B,G,H,S_p), static (G,H,H). Their gradients have the same layouts, except static's:
+(B,G,T_p / block_q,H,H), one sum per query tile.
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ from .tiles import STAGES
 
 def _term_spec(stage, n, opts, L, blk, tiled):
     """BlockSpec of compose term ``n`` of ``stage``; ``tiled``: block the sequence by ``blk``."""
-    M = opts.M
+    M = opts.H
     if n == "static":
         return pl.BlockSpec((None, M, M), lambda b, g, i: (g, 0, 0))
     if n.endswith("dd"):
         shape = (None, None, M, blk if tiled else L)
         return pl.BlockSpec(shape, (lambda b, g, i: (b, g, 0, i)) if tiled
                             else (lambda b, g, i: (b, g, 0, 0)))
-    shape = (None, None, opts.rank(stage, n[0]), M, blk if tiled else L)
+    shape = (None, None, opts.rank_pad(stage, n[0]), M, blk if tiled else L)
     return pl.BlockSpec(shape, (lambda b, g, i: (b, g, 0, 0, i)) if tiled
                         else (lambda b, g, i: (b, g, 0, 0, 0)))
 
@@ -50,16 +52,16 @@ def term_inputs(opts, terms, rows_tiled, bq, bk, T_p, S_p):
 def grad_outputs(opts, side, B, L, blk):
     """(names, shapes, specs) of the weight-gradient outputs of one side, tiled by ``blk``."""
     names, shapes, specs = [], [], []
-    G, M = opts.G, opts.M
+    G, M = opts.G, opts.H
     for st in STAGES:
         for n in getattr(opts, st):
             if n == "static":
                 if side != "q":
                     continue
                 names.append(f"d{st}_static")
-                shapes.append(jax.ShapeDtypeStruct((B, G, M, M, L), jnp.float32))
-                specs.append(pl.BlockSpec((None, None, M, M, blk),
-                                          lambda b, g, i: (b, g, 0, 0, i)))
+                shapes.append(jax.ShapeDtypeStruct((B, G, L // blk, M, M), jnp.float32))
+                specs.append(pl.BlockSpec((None, None, None, M, M),
+                                          lambda b, g, i: (b, g, i, 0, 0)))
                 continue
             if n[0] != side:
                 continue
@@ -68,7 +70,7 @@ def grad_outputs(opts, side, B, L, blk):
                 shapes.append(jax.ShapeDtypeStruct((B, G, M, L), jnp.float32))
                 specs.append(pl.BlockSpec((None, None, M, blk), lambda b, g, i: (b, g, 0, i)))
             else:
-                R = opts.rank(st, side)
+                R = opts.rank_pad(st, side)
                 shapes.append(jax.ShapeDtypeStruct((B, G, R, M, L), jnp.float32))
                 specs.append(pl.BlockSpec((None, None, R, M, blk),
                                           lambda b, g, i: (b, g, 0, 0, i)))

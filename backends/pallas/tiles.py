@@ -1,16 +1,22 @@
-"""Tile math of the fused Pallas kernels (``forward``, ``backward``): lists of M float32 tiles.
+"""Tile math of the fused Pallas kernels (``forward``, ``backward``): (H, rows, columns) tiles.
 
-Inside a kernel a group's heads are Python lists of 2-D (block_q, block_k) tiles and the
-compose is unrolled over M and R: Pallas lowers only 2-D dots and power-of-two tensors to
-Triton, and compose is elementwise work on those tiles (query-wise terms broadcast a
-(block_q, 1) column, key-wise terms a (1, block_k) row). ``opts`` is the static
-description of a call (``dcmha_pallas._Opts``).
+Inside a kernel a group's M heads are one float32 array of shape (H, block_q, block_k), H =
+M rounded up to a power of two (Triton tensors have power-of-two sizes); the heads past M are
+zero and masked. Pallas lowers only 2-D dots without batch dimensions to Triton, so the
+per-head dots (Q.K^T, P.V and those of the backward) run in runtime loops over the heads
+(``lax.fori_loop``, one dot per iteration) that read and write one head of the 3-D arrays
+by one-hot selects and reductions (``_take``, ``_put``). The compose is elementwise work
+on the 3-D tile: the static term a runtime loop over its M input heads, the low-rank terms
+runtime loops over the rank, the gates broadcasts. So the size of the lowered code, and
+the Triton / ptxas compile time, do not grow with M or R.
+
+Compose terms are read from their refs where they are used, padded on the host to H heads
+(and the ranks to powers of two): query-side vectors broadcast as (H, rows, 1), key-side
+ones as (H, 1, cols), static as (H, H). ``opts`` is the static description of a call
+(``dcmha_pallas._Opts``).
 """
 
 from __future__ import annotations
-
-import functools
-import operator
 
 import jax.numpy as jnp
 from jax import lax
@@ -24,6 +30,7 @@ STAGES = ("pre", "post")
 # gives exp(0) * 0 corrections instead of inf - inf. Masked probabilities are
 # zeroed by where(), not by exp() of the fill.
 MASKED = spec_terms.MASKED_SCORE
+F32 = jnp.float32
 
 
 def _precision(opts):
@@ -34,109 +41,178 @@ def _precision(opts):
             else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
 
 
+def _dot(opts, a, b, contract):
+    return lax.dot_general(a, b, (contract, ((), ())), precision=_precision(opts),
+                           preferred_element_type=F32)
+
+
 def _dot_nt(opts, a, b):
     """a (X, h) . b (Y, h)^T -> (X, Y) in float32."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(opts),
-                           preferred_element_type=jnp.float32)
+    return _dot(opts, a, b, ((1,), (1,)))
 
 
 def _dot_tn(opts, a, b):
     """a (X, Y)^T . b (X, h) -> (Y, h) in float32."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_precision(opts),
-                           preferred_element_type=jnp.float32)
+    return _dot(opts, a, b, ((0,), (0,)))
 
 
 def _dot_nn(opts, a, b):
     """a (X, Y) . b (Y, h) -> (X, h) in float32."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(opts),
-                           preferred_element_type=jnp.float32)
+    return _dot(opts, a, b, ((1,), (0,)))
 
 
-def _sum(xs):
-    """Sum of a non-empty sequence of arrays (no leading 0 + ...)."""
-    return functools.reduce(operator.add, xs)
+# ---------------------------------------------------------------------------
+# One head of a (H, ...) array
+# ---------------------------------------------------------------------------
+
+def _onehot(x, m, axis=0):
+    """Bool, broadcastable to ``x``: True at index ``m`` of ``axis``."""
+    shape = [1] * x.ndim
+    shape[axis] = x.shape[axis]
+    return lax.broadcasted_iota(jnp.int32, tuple(shape), axis) == m
 
 
-def _low_rank(x, w1, w2):
-    """sum_r (sum_m x[m] w1[r][m]) w2[r][n] for every head n of the tiles ``x``."""
-    hidden = [_sum([x[m] * w1[r][m] for m in range(len(x))]) for r in range(len(w1))]
-    return [_sum([h * w2[r][n] for r, h in enumerate(hidden)]) for n in range(len(x))]
+def _take(x, m):
+    """x[m] of a (H, ...) array, ``m`` traced (a one-hot reduction)."""
+    return jnp.sum(jnp.where(_onehot(x, m), x, 0.0), axis=0)
 
 
-def _compose(x, t, transpose=False):
-    """compose (or its transpose) of the M head tiles ``x`` with the loaded terms ``t``.
+def _put(x, m, y, add=False):
+    """x with x[m] replaced by ``y`` (or increased by it with ``add``)."""
+    return jnp.where(_onehot(x, m), (x + y[None]) if add else y[None], x)
 
-    ``t`` maps term names to: qw*/kw* -> [r][m] broadcastable vectors, qdd/kdd -> [m],
-    static -> [m][n] scalars. The transpose (the compose backward w.r.t. its input)
-    swaps w1 and w2 and transposes the static matrix.
+
+def _heads(opts, body, init):
+    """``lax.fori_loop`` over the M heads of the group."""
+    return lax.fori_loop(0, opts.M, body, init)
+
+
+def _head_ok(opts):
+    """(H, 1, 1) bool: the real heads (the padding heads past M are masked)."""
+    return lax.broadcasted_iota(jnp.int32, (opts.H, 1, 1), 0) < opts.M
+
+
+def _kv_head(opts, g, m):
+    """kv head read by head ``m`` of group ``g`` (query head h -> h // rep)."""
+    return lax.div(g * opts.M + m, opts.rep)
+
+
+# ---------------------------------------------------------------------------
+# Compose terms
+# ---------------------------------------------------------------------------
+
+def _terms(refs, opts, stage, rows, cols):
+    """{name: (ref, slice)} of one stage's compose terms: query-side ones sliced by ``rows``,
+    key-side ones by ``cols`` along the sequence; static with no slice."""
+    out = {}
+    for n in getattr(opts, stage):
+        out[n] = (refs[f"{stage}_{n}"], None if n == "static" else rows if n[0] == "q" else cols)
+    return out
+
+
+def _vec(ref, sl, side, *lead):
+    """Load ``ref[*lead, :, sl]`` (H heads) as float32, (H, rows, 1) for the query side,
+    (H, 1, cols) for the key side."""
+    v = ref[(*lead, slice(None), sl)].astype(F32)
+    return v[:, :, None] if side == "q" else v[:, None, :]
+
+
+def _compose(opts, x, t, transpose=False):
+    """compose (or its transpose) of the (H, rows, cols) tile ``x`` with the terms ``t``.
+
+    out[n] = x[n] + sum_m x[m] W[m, n] (W = static + low rank + diagonal gates); the
+    transpose (the compose backward w.r.t. its input) applies W^T: static transposed,
+    w1 and w2 swapped.
     """
-    M = len(x)
-    out = list(x)
+    out = x
     if "static" in t:
-        w = t["static"]
-        out = [out[n] + _sum([x[m] * (w[n][m] if transpose else w[m][n]) for m in range(M)])
-               for n in range(M)]
+        ref = t["static"][0]
+
+        def static_step(m, out):
+            w = (ref[:, m] if transpose else ref[m, :]).astype(F32)
+            return out + w[:, None, None] * _take(x, m)[None]
+        out = lax.fori_loop(0, opts.M, static_step, out)
     for side in "qk":
-        if side + "w1" in t:
-            w1, w2 = t[side + "w1"], t[side + "w2"]
-            mixed = _low_rank(x, w2, w1) if transpose else _low_rank(x, w1, w2)
-            out = [o + y for o, y in zip(out, mixed)]
-    gates = [t[k] for k in ("qdd", "kdd") if k in t]
+        if side + "w1" not in t:
+            continue
+        (w_in, sl), (w_out, _) = t[side + "w1"], t[side + "w2"]
+        if transpose:
+            w_in, w_out = w_out, w_in
+
+        def rank_step(r, out, w_in=w_in, w_out=w_out, sl=sl, side=side):
+            hidden = jnp.sum(x * _vec(w_in, sl, side, r), axis=0)
+            return out + hidden[None] * _vec(w_out, sl, side, r)
+        out = lax.fori_loop(0, opts.rank(t["_stage"], side), rank_step, out)
+    gates = [_vec(t[n][0], t[n][1], n[0]) for n in ("qdd", "kdd") if n in t]
     if gates:
-        out = [o + x[n] * _sum([gv[n] for gv in gates]) for n, o in enumerate(out)]
+        out = out + x * (gates[0] + gates[1] if len(gates) == 2 else gates[0])
     return out
 
 
-def _compose_grads(x, gy, t, side, axis):
-    """Gradients of one side's compose weights, reduced over ``axis`` of the tiles.
+def _stage_terms(refs, opts, stage, rows, cols):
+    t = _terms(refs, opts, stage, rows, cols)
+    t["_stage"] = stage
+    return t
 
-    x: the compose input tiles; gy: the gradient of its output. side "q" reduces
-    over keys (axis 1: one value per query row), side "k" over queries (axis 0).
-    Returns {name: [r][m] or [m] vectors}, plus "static" [m][n] row partials for "q".
-    """
-    M = len(x)
-    red = functools.partial(jnp.sum, axis=axis)
+
+def _grad_zeros(opts, stage, side, length):
+    """Zero accumulators of one side's weight gradients of ``stage``: {name: array};
+    (R_pad, H, length) for w1 / w2, (H, length) for dd, (H, H) for static (query side)."""
     out = {}
-    if side + "w1" in t:
-        w1, w2 = t[side + "w1"], t[side + "w2"]
-        R = len(w1)
-        g_hidden = [_sum([gy[n] * w2[r][n] for n in range(M)]) for r in range(R)]
-        hidden = [_sum([x[m] * w1[r][m] for m in range(M)]) for r in range(R)]
-        out[side + "w1"] = [[red(x[m] * g_hidden[r]) for m in range(M)] for r in range(R)]
-        out[side + "w2"] = [[red(hidden[r] * gy[n]) for n in range(M)] for r in range(R)]
-    if side + "dd" in t:
-        out[side + "dd"] = [red(x[n] * gy[n]) for n in range(M)]
-    if side == "q" and "static" in t:
-        out["static"] = [[red(x[m] * gy[n]) for n in range(M)] for m in range(M)]
+    for n in getattr(opts, stage):
+        if n == "static":
+            if side == "q":
+                out[n] = jnp.zeros((opts.H, opts.H), F32)
+        elif n[0] == side:
+            shape = ((opts.rank_pad(stage, side),) if n[1] == "w" else ()) + (opts.H, length)
+            out[n] = jnp.zeros(shape, F32)
     return out
 
 
-def _load_terms(refs, opts, stage, side, sl):
-    """Load one side's compose vectors of one stage, sliced along the sequence by ``sl``.
+def _compose_grads(opts, acc, x, gy, t, side):
+    """``acc`` plus the gradients of one side's compose weights for one tile.
 
-    Query-side vectors become (rows, 1) columns, key-side ones (1, cols) rows.
+    x: the compose input tile; gy: the gradient of its output. Side "q" reduces over keys
+    (one value per query row), side "k" over queries; static (side "q") over both.
     """
-    names = getattr(opts, stage)
-    out = {}
-    expand = (lambda v: v[:, None]) if side == "q" else (lambda v: v[None, :])
-    if side + "w1" in names:
-        R = opts.rank(stage, side)
-        for n in ("w1", "w2"):
-            ref = refs[f"{stage}_{side}{n}"]
-            out[side + n] = [[expand(ref[r, m, sl].astype(jnp.float32)) for m in range(opts.M)]
-                             for r in range(R)]
-    if side + "dd" in names:
-        ref = refs[f"{stage}_{side}dd"]
-        out[side + "dd"] = [expand(ref[m, sl].astype(jnp.float32)) for m in range(opts.M)]
-    if side == "q" and "static" in names:
-        ref = refs[f"{stage}_static"]
-        out["static"] = [[ref[m, n].astype(jnp.float32) for n in range(opts.M)]
-                         for m in range(opts.M)]
+    axis = 2 if side == "q" else 1
+    out = dict(acc)
+    if side + "w1" in acc:
+        (w1, sl), (w2, _) = t[side + "w1"], t[side + "w2"]
+
+        def rank_step(r, carry):
+            g1, g2 = carry
+            g_hidden = jnp.sum(gy * _vec(w2, sl, side, r), axis=0)
+            hidden = jnp.sum(x * _vec(w1, sl, side, r), axis=0)
+            g1 = _put(g1, r, jnp.sum(x * g_hidden[None], axis=axis), add=True)
+            g2 = _put(g2, r, jnp.sum(gy * hidden[None], axis=axis), add=True)
+            return g1, g2
+        out[side + "w1"], out[side + "w2"] = lax.fori_loop(
+            0, opts.rank(t["_stage"], side), rank_step, (acc[side + "w1"], acc[side + "w2"]))
+    if side + "dd" in acc:
+        out[side + "dd"] = acc[side + "dd"] + jnp.sum(x * gy, axis=axis)
+    if "static" in acc:
+        def static_step(m, g):
+            row = jnp.sum(_take(x, m)[None] * gy, axis=(1, 2))
+            return _put(g, m, row, add=True)
+        out["static"] = lax.fori_loop(0, opts.M, static_step, acc["static"])
     return out
 
+
+def _store_grads(r, gw):
+    """Write the accumulated weight gradients (``_grad_zeros`` layout) of both stages."""
+    for st in STAGES:
+        for name, val in gw[st].items():
+            ref = r[f"d{st}_{name}"]
+            ref[...] = val
+
+
+# ---------------------------------------------------------------------------
+# Masks and tile ranges
+# ---------------------------------------------------------------------------
 
 def _valid(opts, refs, t0, s0, bq, bk, mask_rows, mask_cols):
-    """(bq, bk) bool: the entries of the tile that attend (padding is masked)."""
+    """(H, bq, bk) bool: the entries of the tile that attend (padding, padding heads masked)."""
     t = t0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     s = s0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
     ok = (t < opts.T) & (s < opts.S)
@@ -147,7 +223,7 @@ def _valid(opts, refs, t0, s0, bq, bk, mask_rows, mask_cols):
         ok &= (t - s < opts.window) & (s - t < opts.window)
     if opts.has_mask:
         ok &= refs["mask"][mask_rows, mask_cols] != 0
-    return ok
+    return ok[None] & _head_ok(opts)
 
 
 def _key_range(opts, t0, bq, bk, n_k):
@@ -182,57 +258,120 @@ def _query_range(opts, s0, bq, bk, n_q):
     return lo, hi
 
 
-def _merge(*dicts):
-    out = {}
-    for d in dicts:
-        out.update(d)
-    return out
+# ---------------------------------------------------------------------------
+# Recomputing a tile
+# ---------------------------------------------------------------------------
 
+class Tile:
+    """One (query tile, key tile) pair of group ``g`` (the program id, read outside loops: the
+    interpreter has no program id inside them), at rows t0 and columns s0: how to read its
+    per-head operands and recompute it.
 
-def _probs(opts, q, k, terms_pre, valid, lse):
-    """Raw scores (M tiles) and the masked softmax P of the pre-composed ones, given ``lse``."""
-    s = [_dot_nt(opts, q[m], k[m]) * opts.scale for m in range(opts.M)]
-    a = _compose(s, terms_pre) if opts.pre else s
-    p = [jnp.where(valid, jnp.exp(a[m] - lse[m]), 0.0) for m in range(opts.M)]
-    return s, p
-
-
-def _dpp(opts, do, v, dscores, valid):
-    """Gradient of the post-composed P: dO.V^T (+ the scores' cotangent), 0 where masked."""
-    g = [_dot_nt(opts, do[m], v[m]) for m in range(opts.M)]
-    if dscores is not None:
-        g = [g[m] + dscores[m] for m in range(opts.M)]
-    return [jnp.where(valid, x, 0.0) for x in g]
-
-
-def _grads_of_tile(opts, q, k, v, do, dscores, lse, delta, tp, tq, valid):
-    """Recompute one tile and backpropagate dO to the softmax input and the scores.
-
-    tp / tq: the loaded pre / post terms. Returns s (raw scores), p (softmax), dpp
-    (gradient of the post-composed, masked P), da (of the pre-composed scores) and
-    ds (of the raw scores), each M tiles.
+    ``rows`` / ``cols`` index the tile in the refs' blocks (a ``pl.ds`` along the looped
+    axis, ``slice(None)`` along the program's own). ``q(m)``, ``k(m)``, ``v(m)``, ``do(m)``,
+    ``dscores(m)`` load head m's 2-D operand in float32; ``valid`` is the (H, bq, bk) mask;
+    ``pre`` / ``post`` the terms of each stage.
     """
-    M = opts.M
-    s, p = _probs(opts, q, k, tp, valid, lse)
-    dpp = _dpp(opts, do, v, dscores, valid)
-    dp = _compose(dpp, tq, transpose=True) if opts.post else dpp
-    da = [p[m] * (dp[m] - delta[m]) for m in range(M)]   # masked softmax backward
-    ds = _compose(da, tp, transpose=True) if opts.pre else da
-    return s, p, dpp, da, ds
+
+    def __init__(self, opts, r, g, t0, s0, rows, cols, bq, bk):
+        self.opts, self.r, self.g, self.rows, self.cols = opts, r, g, rows, cols
+        self.valid = _valid(opts, r, t0, s0, bq, bk, rows, cols)
+        self.pre = _stage_terms(r, opts, "pre", rows, cols)
+        self.post = _stage_terms(r, opts, "post", rows, cols)
+        self.shape = (opts.H, bq, bk)
+
+    def _load(self, name, m, lo_rows, kv):
+        ref = self.r[name]
+        head = _kv_head(self.opts, self.g, m) if kv else m
+        return ref[head, lo_rows, :].astype(F32)
+
+    def q(self, m):
+        return self._load("q", m, self.rows, False)
+
+    def do(self, m):
+        return self._load("do", m, self.rows, False)
+
+    def k(self, m):
+        return self._load("k", m, self.cols, True)
+
+    def v(self, m):
+        return self._load("v", m, self.cols, True)
+
+    def dscores(self, m):
+        return self.r["dscores"][m, self.rows, self.cols].astype(F32)
+
+    def scores(self):
+        """Raw scores (H, bq, bk): one Q.K^T per head."""
+        opts = self.opts
+
+        def step(m, s):
+            return _put(s, m, _dot_nt(opts, self.q(m), self.k(m)) * opts.scale)
+        return _heads(opts, step, jnp.zeros(self.shape, F32))
+
+    def probs(self, lse):
+        """(s, p): raw scores and the masked softmax of the pre-composed ones given ``lse``
+        (H, bq, 1)."""
+        s = self.scores()
+        return s, jnp.where(self.valid, jnp.exp(self.pre_composed(s) - lse), 0.0)
+
+    def pre_composed(self, s):
+        """The pre-composed scores (``s`` when the stage is off)."""
+        return _compose(self.opts, s, self.pre) if self.opts.pre else s
+
+    def post_probs(self, p):
+        """The post-composed, masked probabilities."""
+        pp = _compose(self.opts, p, self.post) if self.opts.post else p
+        return jnp.where(self.valid, pp, 0.0)
+
+    def dpp(self):
+        """Gradient of the post-composed P: dO.V^T (+ the scores' cotangent), 0 where masked."""
+        opts = self.opts
+
+        def step(m, g):
+            gm = _dot_nt(opts, self.do(m), self.v(m))
+            if opts.scores:
+                gm = gm + self.dscores(m)
+            return _put(g, m, gm)
+        return jnp.where(self.valid, _heads(opts, step, jnp.zeros(self.shape, F32)), 0.0)
+
+    def dp(self, dpp):
+        """Gradient of the softmax output P (the post-compose transpose of ``dpp``)."""
+        return _compose(self.opts, dpp, self.post, transpose=True) if self.opts.post else dpp
+
+    def grads(self, lse, delta):
+        """Backpropagate dO to the softmax input and the scores: (s, p, dpp, da, ds).
+
+        s: raw scores, p: softmax, dpp: gradient of the post-composed masked P, da: of the
+        pre-composed scores, ds: of the raw scores; each (H, bq, bk).
+        """
+        s, p = self.probs(lse)
+        dpp = self.dpp()
+        da = p * (self.dp(dpp) - delta)   # masked softmax backward
+        ds = _compose(self.opts, da, self.pre, transpose=True) if self.opts.pre else da
+        return s, p, dpp, da, ds
+
+    def weight_grads(self, gw, side, s, p, dpp, da):
+        """``gw`` ({stage: accumulators}) plus this tile's gradients of ``side``'s weights."""
+        opts = self.opts
+        new = dict(gw)
+        if opts.pre:
+            new["pre"] = _compose_grads(opts, gw["pre"], s, da, self.pre, side)
+        if opts.post:
+            new["post"] = _compose_grads(opts, gw["post"], p, dpp, self.post, side)
+        return new
 
 
-def _kv_heads(opts):
-    """kv head read by each query head of the current group (query head h -> h // rep)."""
-    g = pl.program_id(1)
-    return [lax.div(g * opts.M + m, opts.rep) for m in range(opts.M)]
+def _row_vector(opts, r, name, rows, bq):
+    """(H, bq, 1) float32: the per-row vector ``name`` (lse, delta) of the M heads at ``rows``."""
+    def step(m, x):
+        return _put(x, m, r[name][m, rows].astype(F32))
+    return _heads(opts, step, jnp.zeros((opts.H, bq), F32))[:, :, None]
 
 
-def _key_tile(r, opts, kvh, t0, j, bq, bk):
-    """Key tile ``j`` of a query tile at ``t0``: (its columns, the key-side compose terms of
-    each stage, the keys of the M heads in float32, the valid-position mask)."""
-    s0 = pl.multiple_of(j * bk, bk)
-    cols = pl.ds(s0, bk)
-    tk = {st: _load_terms(r, opts, st, "k", cols) for st in STAGES}
-    k = [r["k"][kvh[m], cols, :].astype(jnp.float32) for m in range(opts.M)]
-    return cols, tk, k, _valid(opts, r, t0, s0, bq, bk, slice(None), cols)
-
+def _store_heads(opts, pairs):
+    """Write head m of each (H, ...) value to ``ref[m]`` for the M heads: pairs of (ref, value)."""
+    def step(m, carry):
+        for ref, val in pairs:
+            ref[m] = _take(val, m).astype(ref.dtype)
+        return carry
+    lax.fori_loop(0, opts.M, step, 0)
