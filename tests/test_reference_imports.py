@@ -182,6 +182,8 @@ def test_backend_comparisons_are_seen(tmp_path):
 
 def test_shared_code_names_no_backend():
     modules = _modules()
-    found = {m: backend_comparisons(modules[m]) for m in SHARED if m in modules}
-    assert set(found) == set(SHARED)
+    # A shared package's modules are shared code too (``dcmha.layers.cache``, ...).
+    found = {m: backend_comparisons(path) for m, path in modules.items()
+             if m in SHARED or m.startswith(tuple(s + "." for s in SHARED))}
+    assert set(SHARED) <= set(found)
     assert {m: lines for m, lines in found.items() if lines} == {}

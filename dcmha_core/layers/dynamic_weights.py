@@ -1,0 +1,133 @@
+"""``DynamicWeightProjection``: the sublayer computing DCMHA's dynamic composition weights."""
+
+from __future__ import annotations
+
+import math
+
+import keras
+from keras import ops
+
+from dcmha import ops as dops
+from dcmha.spec import reference as spec
+
+
+@keras.saving.register_keras_serializable(package="dcmha")
+class DynamicWeightProjection(keras.layers.Layer):
+    """Projects an attention input to the dynamic composition weights of its slots.
+
+    h = gelu(x . dw1); w = h . qkw; w1 = rms_norm_M(w[:R]), w2 = w[R:];
+    dd = tanh(x . dd). Computed in float32 whatever the dtype policy.
+
+    Args:
+        slots: slot names (a subset of ``reference.ALL_SLOTS``), in the order
+            of the C axis of the variables.
+        num_heads: N (query heads).
+        num_groups: G.
+        rank: R.
+        dynamic_hidden_dim: K (None: 2 * R * M).
+        dynamic_projection: create dw1 (D, G, C, K) and qkw (G, C, K, 2R, M).
+        dynamic_gating: create dd (D, G, C*M).
+        gelu_approximate: tanh GELU (True) or exact erf GELU.
+        seed: int or None, seeds the initializers (N(0, sigma) as in the spec).
+
+    Call arguments:
+        inputs: (B, L, D).
+        slots: optional subset of ``slots`` to compute (default: all).
+
+    Returns:
+        ``{slot: {"w1": (B, L, G, R, M), "w2": (B, L, G, R, M), "dd": (B, L, G, M)}}``.
+    """
+
+    def __init__(self, slots, num_heads, num_groups=1, rank=2, dynamic_hidden_dim=None,
+                 dynamic_projection=True, dynamic_gating=True, gelu_approximate=True,
+                 seed=None, **kwargs):
+        super().__init__(**kwargs)
+        # Per-position weights: it takes the inputs' Keras masks and passes none on.
+        self.supports_masking = True
+        slots = tuple(slots)
+        unknown = [s for s in slots if s not in spec.ALL_SLOTS]
+        if not slots or unknown:
+            raise ValueError(f"`slots` must be a non-empty subset of {spec.ALL_SLOTS}. "
+                             f"Received: slots={slots}")
+        if not (dynamic_projection or dynamic_gating):
+            raise ValueError("At least one of `dynamic_projection` and `dynamic_gating` must "
+                             "be True. Received: dynamic_projection=False, dynamic_gating=False")
+        self._cfg = spec.Config(num_heads=num_heads, key_dim=1, num_groups=num_groups,
+                                rank=rank, dynamic_hidden_dim=dynamic_hidden_dim).validate()
+        self.slots = slots
+        self.num_heads = num_heads
+        self.num_groups = num_groups
+        self.rank = rank
+        self.dynamic_hidden_dim = dynamic_hidden_dim
+        self.dynamic_projection = bool(dynamic_projection)
+        self.dynamic_gating = bool(dynamic_gating)
+        self.gelu_approximate = bool(gelu_approximate)
+        self.seed = seed
+
+    def build(self, input_shape):
+        D = input_shape[-1]
+        if D is None:
+            raise ValueError("The last dimension of the input of DynamicWeightProjection must "
+                             f"be defined. Received: input_shape={input_shape}")
+        G, M, R, K, C = self._cfg.G, self._cfg.M, self._cfg.R, self._cfg.K, len(self.slots)
+        self._input_dim = D
+        seed = (lambda i: None) if self.seed is None else (lambda i: self.seed + i)
+        normal = keras.initializers.RandomNormal
+        self.dw1 = self.qkw = self.dd = None
+        if self.dynamic_projection:
+            self.dw1 = self.add_weight(
+                name="dw1", shape=(D, G, C, K), autocast=False,
+                initializer=normal(stddev=math.sqrt(2.0 / (D + K)), seed=seed(0)))
+            self.qkw = self.add_weight(
+                name="qkw", shape=(G, C, K, 2 * R, M), autocast=False,
+                initializer=normal(stddev=math.sqrt(1.0 / K) * 2.0 / (M + R) * 0.01,
+                                   seed=seed(1)))
+        if self.dynamic_gating:
+            self.dd = self.add_weight(
+                name="dd", shape=(D, G, C * M), autocast=False,
+                initializer=normal(stddev=math.sqrt(2.0 / (D + M)) * 0.005, seed=seed(2)))
+
+    def call(self, inputs, slots=None):
+        if slots is None or tuple(slots) == self.slots:
+            slots, dw1, qkw, dd = self.slots, self.dw1, self.qkw, self.dd
+        else:
+            slots = tuple(slots)
+            idx = [self.slots.index(s) for s in slots]
+            dw1 = qkw = dd = None
+            if self.dynamic_projection:
+                dw1 = ops.take(self.dw1, idx, axis=2)
+                qkw = ops.take(self.qkw, idx, axis=1)
+            if self.dynamic_gating:
+                D, G, CM = self.dd.shape
+                dd4 = ops.reshape(self.dd, (D, G, len(self.slots), CM // len(self.slots)))
+                dd = ops.reshape(ops.take(dd4, idx, axis=2), (D, G, -1))
+        if len(inputs.shape) != 3 or inputs.shape[-1] not in (None, self._input_dim):
+            raise ValueError("The input of DynamicWeightProjection must have shape (B, L, D) "
+                             f"with D={self._input_dim}. Received: shape={tuple(inputs.shape)}")
+        return dops.dynamic_weights(inputs, dw1, qkw, dd, slots=slots, rank=self.rank,
+                                    gelu_approximate=self.gelu_approximate, check=False)
+
+    def compute_mask(self, inputs, previous_mask=None):
+        # Per-position weights: the DCMHA layer consumes the inputs' Keras masks.
+        return None
+
+    def compute_output_spec(self, inputs, slots=None):
+        B, L = inputs.shape[0], inputs.shape[1]
+        G, M, R = self._cfg.G, self._cfg.M, self._cfg.R
+        out = {}
+        for s in (self.slots if slots is None else slots):
+            out[s] = {}
+            if self.dynamic_projection:
+                for n in ("w1", "w2"):
+                    out[s][n] = keras.KerasTensor((B, L, G, R, M), dtype="float32")
+            if self.dynamic_gating:
+                out[s]["dd"] = keras.KerasTensor((B, L, G, M), dtype="float32")
+        return out
+
+    def get_config(self):
+        return {**super().get_config(), "slots": list(self.slots),
+                "num_heads": self.num_heads, "num_groups": self.num_groups, "rank": self.rank,
+                "dynamic_hidden_dim": self.dynamic_hidden_dim,
+                "dynamic_projection": self.dynamic_projection,
+                "dynamic_gating": self.dynamic_gating,
+                "gelu_approximate": self.gelu_approximate, "seed": self.seed}
