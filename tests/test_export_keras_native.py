@@ -38,7 +38,7 @@ SIZES = [(1, 3), (3, 7)]      # (batch, length): two of each, none the traced si
 _CONVERTER = {"jax": "jax2onnx", "tensorflow": "tf2onnx"}
 
 #: What stops Keras's ONNX export on a backend today, with the error it raises; each fix
-#: belongs to dcmha/ops.py or backends/ (see the lead's report). strict: the day a fix lands
+#: belongs to dcmha_core/ops/ or backends/. strict: the day a fix lands
 #: the test passes, xfail fails it, and the entry here must go.
 #: Backends whose Keras ONNX export is known not to work yet: {backend: (error, reason)}.
 _ONNX_BLOCKED = {}

@@ -1,6 +1,6 @@
 """The one-query (decoding step) path of the "ops" core against the NumPy spec (issue 15).
 
-A call with T = 1 and no (B, N, T, S) extras runs ``dcmha.ops._attention_one_query``:
+A call with T = 1 and no (B, N, T, S) extras runs ``dcmha.ops.plain_core._attention_one_query``:
 composes on the (B, G, M, S) view, key-side terms applied in low-rank form from the
 (B, S, G, R, M) weights. It is checked against ``dcmha.spec.reference`` (the functional core
 and the layer's cached steps, with an int and a tensor index), against the block path for
@@ -16,6 +16,7 @@ from keras import ops
 
 from dcmha import ops as dops
 from dcmha.layers import DCMHA
+from dcmha.ops import plain_core
 from dcmha.spec import reference
 
 from test_layer_numerics import assert_close, np_
@@ -33,7 +34,7 @@ def one_query_calls(monkeypatch):
     # The one-query paths: the "ops" core's, and the "torch_decode" / "tf_decode"
     # implementations' (which "auto" takes for T = 1 on torch, and in a traced graph on
     # tensorflow). tf_decode compiles the "ops" one-query path: a call counts once.
-    paths = [(dops, "_attention_one_query")]
+    paths = [(plain_core, "_attention_one_query")]
     if BACKEND == "torch":
         from dcmha.backends.torch_native import decode
         paths.append((decode, "_one_query"))

@@ -116,7 +116,8 @@ def _gradients(layer, x, mask, causal=False):
                                                  num_key_value_heads=2, sliding_window=4)])
 def test_looped_chunks_match_unrolled(rng, monkeypatch, kwargs):
     """Many query chunks run as ops.map loops (jax, tensorflow): same output and gradients."""
-    from dcmha import ops as dops
+    from dcmha import backend as seam
+    from dcmha.ops import plain_core
 
     x = rng.standard_normal((2, 23, 16)).astype("float32")
     mask = rng.random((2, 23, 23)) > 0.2
@@ -129,8 +130,12 @@ def test_looped_chunks_match_unrolled(rng, monkeypatch, kwargs):
                for n, w in layers[0].spec_weights().items()}
     for layer in layers:
         layer.load_spec_weights(weights)
-    monkeypatch.setattr(dops, "MAX_UNROLLED_CHUNKS", 3)    # 12 chunks: looped on jax / tf
+    monkeypatch.setattr(plain_core, "MAX_UNROLLED_CHUNKS", 3)   # 12 chunks: looped on jax / tf
+    looped, inner = [], plain_core._attention_looped
+    monkeypatch.setattr(plain_core, "_attention_looped",
+                        lambda *a, **k: looped.append(1) or inner(*a, **k))
     y0, y1 = (np_(layer(x, x, attention_mask=mask, use_causal_mask=True)) for layer in layers)
+    assert bool(looped) == seam.LOOPED_CHUNKS        # the chunked layer took the looped path
     atol = 2e-6 * max(1.0, np.abs(y0).max())
     np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=atol)
     if BACKEND == "numpy":

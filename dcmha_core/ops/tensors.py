@@ -1,0 +1,116 @@
+"""Small tensor pieces of the functional core: RMS normalisation, rotary embedding,
+dtype casts that skip no-op casts, stacking, cache writes and int32 ranges.
+
+The backend-specific forms (a cheaper stack, an eager cache write, a symbolic range)
+come from the seam (``dcmha.backend``); these functions name no backend.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from dcmha import backend as seam
+from dcmha.call import _fits  # shape matches; None (unknown / free) matches anything
+from dcmha.call import shape_of as _shape
+
+QK_NORM_EPS = 1e-6
+
+
+def rms_normalize(x, eps, scale=None):
+    """x / sqrt(mean(x**2, -1) + eps), times ``scale`` if given."""
+    y = x * ops.rsqrt(ops.mean(ops.square(x), axis=-1, keepdims=True) + eps)
+    return y if scale is None else y * scale
+
+
+#: dtype object -> Keras's name for it (``keras.backend.standardize_dtype`` costs more
+#: than the cast it would save on a hot path; the dtype objects of a process are few).
+_DTYPE_NAMES = {}
+
+
+def dtype_name(dtype):
+    """Keras's name of a dtype object (cached)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):            # TypeError: an unhashable dtype object
+        name = keras.backend.standardize_dtype(dtype)
+        try:
+            _DTYPE_NAMES[dtype] = name
+        except TypeError:
+            pass
+        return name
+
+
+def as_dtype(x, dtype):
+    """``ops.cast(x, dtype)``, skipped when ``x`` already has ``dtype`` (even a cast that
+    changes nothing costs a Keras op per call in eager PyTorch: a decoding step has
+    dozens of them). Anything but a backend tensor (a ``keras.Variable``, a NumPy array)
+    is always cast: callees get a backend tensor."""
+    if keras.ops.is_tensor(x) and dtype_name(x.dtype) == dtype:
+        return x
+    return ops.cast(x, dtype)
+
+
+def stack(arrays, axis):
+    """``ops.stack`` (the backend's own op where that is cheaper: ``dcmha.backend``)."""
+    return seam.stack(arrays, axis)
+
+
+def unstack(x, axis, num):
+    """The ``num`` slices of x along ``axis``: ``ops.unstack`` (the backend's own views
+    where that is cheaper: ``dcmha.backend``)."""
+    return seam.unstack(x, axis, num)
+
+
+def write_slice(entry, index, update):
+    """``entry`` with ``update`` written at [:, index:index + n] (a new tensor; ``entry``
+    is unchanged), cast to ``entry``'s dtype: ``ops.slice_update``, or the backend's own
+    eager write (``dcmha.backend.eager_slice_write``)."""
+    update = as_dtype(update, dtype_name(entry.dtype))
+    out = seam.eager_slice_write(entry, index, update)
+    if out is not None:
+        return out
+    start = [0, index] + [0] * (len(entry.shape) - 2)
+    return ops.slice_update(entry, start, update)
+
+
+def cache_writer(index, new_length, batch):
+    """A function ``write(entry, update)`` for one step's cache entries: ``entry`` (B,
+    S_max, ...) with ``update`` (B, new_length, ...) written at [:, index:index +
+    new_length] (a new tensor; ``entry`` is unchanged), cast to ``entry``'s dtype.
+
+    ``index`` must be in [0, S_max - new_length] (the layer checks a known index and
+    clamps a traced one). A backend may build the writes once for all of a step's
+    entries (``dcmha.backend.cache_writer``); otherwise each write is ``write_slice``.
+    """
+    writer = seam.cache_writer(index, new_length, batch)
+    return writer or (lambda entry, update: write_slice(entry, index, update))
+
+
+def arange_int32(start, stop):
+    """int32 [start, stop), also when ``stop - start`` is an exporter's symbolic size
+    (``dcmha.backend.arange_int32``)."""
+    return seam.arange_int32(start, stop)
+
+
+def rope(x, positions, max_wavelength):
+    """Rotary embedding, rotate-half layout (pairs (i, i + d/2)).
+
+    x: (B, L, H, d) float32; positions: (L,) absolute positions (int or float
+    tensor; may be offset by a traced ``cache_update_index``).
+    """
+    if len(x.shape) != 4 or (x.shape[-1] is not None and x.shape[-1] % 2):
+        raise ValueError("`x` must have rank 4 (B, L, H, d) with an even d. "
+                         f"Received: x.shape={_shape(x)}")
+    if len(positions.shape) != 1 or not _fits(_shape(positions), (x.shape[1],)):
+        raise ValueError(f"`positions` must have shape (L,) = ({x.shape[1]},). "
+                         f"Received: positions.shape={_shape(positions)}")
+    d = x.shape[-1]
+    half = d // 2
+    inv_freq = ops.power(float(max_wavelength),
+                         -ops.arange(0, half, dtype="float32") * (2.0 / d))
+    angle = ops.cast(positions, "float32")[:, None] * inv_freq[None, :]   # (L, d/2)
+    cos = ops.cos(angle)[None, :, None, :]
+    sin = ops.sin(angle)[None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return ops.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
