@@ -60,6 +60,7 @@ def main(argv=None):
 
     from dcmha import layers as dlayers
     from dcmha import ops as dops
+    from dcmha.ops import tensors as dops_tensors
     if keras.backend.backend() != "torch":
         raise SystemExit("decode_sections.py times the eager PyTorch step: KERAS_BACKEND=torch")
     torch.set_grad_enabled(False)
@@ -95,8 +96,11 @@ def main(argv=None):
     if not args.torch_compile:       # wrappers would break the compiled graphs
         for owner, attr, label in ((dops, "dcmha_attention", "attention core"),
                                    (dops, "write_slice", "cache writes"),
+                                   (dops_tensors, "write_slice", "cache writes"),
                                    (dops, "dynamic_weights", "dynamic weights"),
                                    (dops, "as_dtype", "as_dtype (cache reads; also inside the writes)"),
+                                   (dops_tensors, "as_dtype",
+                                    "as_dtype (cache reads; also inside the writes)"),
                                    (dops, "stage_terms", "stage_terms"),
                                    (dlayers.DCMHA, "_check_cache", "cache check"),
                                    (dlayers.DCMHA, "_attention_mask", "mask")):
