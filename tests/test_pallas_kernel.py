@@ -6,6 +6,7 @@ float64 spec result of the same inputs.
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -105,6 +106,12 @@ def test_all_terms_gqa_groups_masks_fully_masked_row():
 def test_one_group_rank_one_bidirectional_window():
     """G=1, R=1, no GQA, a bidirectional sliding window, T=5 < S=9, 4x4 tiles."""
     check(make_problem(2, T=5, S=9, N=2, N_kv=2, G=1, R=1), window=3, blocks=(4, 4))
+
+
+def test_heads_and_rank_not_powers_of_two():
+    """M=3 heads per group and rank R=3 (the kernels pad both to 4 with zero weights), GQA,
+    every term in both stages, causal."""
+    check(make_problem(7, T=7, S=9, N=6, N_kv=3, G=2, R=3), causal=True)
 
 
 @pytest.mark.parametrize("unit", [("qw1", "qw2"), ("kw1", "kw2"), ("qdd",), ("kdd",),
@@ -213,12 +220,12 @@ def test_argument_validation_shapes_and_blocks():
 # GPU validity: the kernels lower to Triton (no GPU needed to lower)
 # ---------------------------------------------------------------------------
 
-def _export_for_cuda():
+def _export_for_cuda(N=6, G=2, R=2, N_kv=3):
     """Lower forward + backward (half inputs, GQA, non-power-of-two M, N_kv, d, all terms,
     mask, causal window, returned scores) for CUDA; returns the exported module text."""
     from jax import export
 
-    B, T, S, N, N_kv, d, d_v, G, R = 2, 40, 72, 6, 3, 12, 8, 2, 2
+    B, T, S, d, d_v = 2, 40, 72, 12, 8
     M = N // G
     sd = lambda *s, dt=jnp.float16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
     terms = dict(qw1=sd(B, T, G, R, M), qw2=sd(B, T, G, R, M), kw1=sd(B, S, G, R, M),
@@ -242,22 +249,9 @@ def _export_for_cuda():
                sd(B, T, S, dt=jnp.bool_), sd(B, T, N, d_v), sd(B, N, T, S)).mlir_module()
 
 
-def test_kernels_lower_to_triton():
-    text = _export_for_cuda()
-    for name in ("dcmha_forward", "dcmha_backward_rows", "dcmha_backward_cols"):
-        assert f'name = "{name}"' in text, name
-
-
-@pytest.mark.skipif(not os.environ.get("DCMHA_SLOW_TESTS"),
-                    reason="compiling to sm_90 cubin takes minutes; set DCMHA_SLOW_TESTS=1")
-def test_kernels_compile_to_cubin():
-    """The Triton IR of every kernel compiles to an sm_90 cubin with the triton package."""
-    pytest.importorskip("triton")
-    import tempfile
-
-    import triton
+def _triton_modules(**sizes):
+    """The Triton IR text of the three kernels of ``_export_for_cuda(**sizes)``."""
     from jax._src.pallas.triton import lowering
-    from triton.backends.compiler import GPUTarget
 
     modules = []
     original = lowering.lower_jaxpr_to_triton_module
@@ -269,10 +263,44 @@ def test_kernels_compile_to_cubin():
 
     lowering.lower_jaxpr_to_triton_module = capture
     try:
-        _export_for_cuda()
+        _export_for_cuda(**sizes)
     finally:
         lowering.lower_jaxpr_to_triton_module = original
     assert len(modules) == 3
+    return modules
+
+
+def test_kernels_lower_to_triton():
+    text = _export_for_cuda()
+    for name in ("dcmha_forward", "dcmha_backward_rows", "dcmha_backward_cols"):
+        assert f'name = "{name}"' in text, name
+
+
+def test_kernel_code_does_not_grow_with_heads_or_rank():
+    """The kernels loop over heads and ranks at run time: 8 heads per group of rank 4 lower
+    to the same Triton operations as 2 heads of rank 2 (only tensor sizes and constants
+    differ)."""
+    def ops(text):   # the operation of each line (tt.dot, arith.addf, scf.for, ...)
+        found = map(re.compile(r"\b[a-z_]+\.[a-z_.]+\b").search, text.splitlines())
+        return [m.group(0) for m in found if m and m.group(0) != "arith.constant"]
+
+    small = _triton_modules(N=4, G=2, R=2, N_kv=2)
+    large = _triton_modules(N=16, G=2, R=4, N_kv=8)
+    for a, b in zip(small, large):
+        assert ops(a) == ops(b)
+
+
+@pytest.mark.skipif(not os.environ.get("DCMHA_SLOW_TESTS"),
+                    reason="compiling to sm_90 cubin takes minutes; set DCMHA_SLOW_TESTS=1")
+def test_kernels_compile_to_cubin():
+    """The Triton IR of every kernel compiles to an sm_90 cubin with the triton package."""
+    pytest.importorskip("triton")
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    modules = _triton_modules()
     with tempfile.TemporaryDirectory() as tmp:
         for i, text in enumerate(modules):
             path = os.path.join(tmp, f"kernel{i}.ttir")

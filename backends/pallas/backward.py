@@ -133,7 +133,7 @@ def backward(opts, q, k, v, terms, mask, lse, do, dscores):
         out_specs=[row(d_p), vec] + gsp,
         out_shape=[jax.ShapeDtypeStruct((B, N, T_p, d_p), jnp.float32),
                    jax.ShapeDtypeStruct((B, N, T_p), jnp.float32)] + gs,
-        interpret=opts.interpret, compiler_params=compiler_params(opts),
+        interpret=opts.interpret, compiler_params=compiler_params(opts, True),
         name="dcmha_backward_rows")(*arrays, *ta)
     dq, delta, grads = outs[0], outs[1], dict(zip(gn, outs[2:]))
 
@@ -168,7 +168,7 @@ def backward(opts, q, k, v, terms, mask, lse, do, dscores):
         out_specs=[col(d_p), col(dv_p)] + gsp,
         out_shape=[jax.ShapeDtypeStruct((B, N, S_p, d_p), jnp.float32),
                    jax.ShapeDtypeStruct((B, N, S_p, dv_p), jnp.float32)] + gs,
-        interpret=opts.interpret, compiler_params=compiler_params(opts),
+        interpret=opts.interpret, compiler_params=compiler_params(opts, True),
         name="dcmha_backward_cols")(*arrays, *ta)
     dk_h, dv_h = outs[0], outs[1]
     grads.update(zip(gn, outs[2:]))

@@ -17,8 +17,9 @@ minutes of compiling at d = 128).
 
 GPU: the same kernels compile for Triton (interpret=False): every tile is a power of two
 and at least 16 (tl.dot's minimum), and tiles are halved until each (heads, rows,
-columns) tile of a program fits ``TILE_ELEMENTS``; loops over tiles have bounds that skip
-tiles a causal or windowed mask hides entirely. ``tests/test_pallas_kernel.py`` lowers
+columns) tile of a program fits ``TILE_ELEMENTS`` (with 4 to 8 warps by the largest); the
+kernels' code does not grow with the heads or the rank (``tiles``); loops over tiles skip
+the tiles a causal or windowed mask hides entirely. ``tests/test_pallas_kernel.py`` lowers
 all three kernels to Triton IR without a GPU; ``benchmarks/compile_time.py`` compiles
 them to sm_90 cubins. ``MOSAIC.md`` weighs moving them to Mosaic GPU.
 
@@ -59,9 +60,12 @@ _STAGES = ("pre", "post")
 _MASKED = spec_terms.MASKED_SCORE
 # tl.dot needs every dimension >= 16 on a GPU.
 _MIN_GPU_DIM = 16
-#: The most elements of one (heads, rows, columns) tile of a compiled program (``_fitted``):
-#: 16384 float32 are 128 registers per thread at 4 warps.
-TILE_ELEMENTS = 16384
+#: The most elements of one (heads, rows, columns) tile of a compiled program (``_fitted``).
+#: A backward program holds five such tiles (scores, probabilities and three gradients) and
+#: its accumulators: 8192 float32 are 32 registers per thread at 8 warps.
+TILE_ELEMENTS = 8192
+#: Elements of the largest tile per warp of a compiled program (4 to 8 warps, ``_fitted``).
+_WARP_ELEMENTS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +118,7 @@ class _Opts:
     post: tuple
     ranks: tuple         # ((stage, side, R), ...) for every low-rank pair
     blocks: tuple        # (block_q, block_k, block_q_bwd, block_k_bwd)
+    warps: tuple         # num_warps of the compiled (forward, backward) programs
     scores: bool         # also return the post-composed probabilities (B, N, T, S)
     interpret: bool
 
@@ -240,22 +245,26 @@ def dcmha_attention(q, k, v, *, num_groups: int, pre: Optional[Mapping[str, Any]
 
 
 def _fitted(blocks, M, d_p, dv_p, interpret):
-    """Tiles halved (the larger first, not below 16) until every (heads, rows, columns) tile
-    a program holds has at most ``TILE_ELEMENTS`` elements (compiled only): larger ones live
-    in local memory instead of registers, slower on the GPU and minutes of ptxas."""
+    """(tiles, warps): tiles halved (the larger first, not below 16) until every (heads, rows,
+    columns | head dim) tile a program holds has at most ``TILE_ELEMENTS`` elements, and the
+    warps of the forward and of the backward programs, one per ``_WARP_ELEMENTS`` elements of
+    their largest tile (4 to 8). Compiled only; larger tiles per thread live in local memory
+    instead of registers: slower on the GPU, and ptxas then takes minutes."""
     if interpret:
-        return blocks
+        return blocks, (4, 4)
     heads, width = _next_pow2(M), max(d_p, dv_p)
-    out = []
+    out, warps = [], []
     for bq, bk in (blocks[:2], blocks[2:]):
-        while (heads * max(bq, bk) * max(width, min(bq, bk)) > TILE_ELEMENTS
-               and max(bq, bk) > _MIN_GPU_DIM):
+        def largest():
+            return heads * max(bq, bk) * max(width, min(bq, bk))
+        while largest() > TILE_ELEMENTS and max(bq, bk) > _MIN_GPU_DIM:
             if bq >= bk:
                 bq //= 2
             else:
                 bk //= 2
         out += [bq, bk]
-    return tuple(out)
+        warps.append(max(4, min(8, _next_pow2(-(-largest() // _WARP_ELEMENTS)))))
+    return tuple(out), tuple(warps)
 
 
 def dcmha_attention_call(call, *, scale=None, block_sizes: Optional[BlockSizes] = None,
@@ -277,8 +286,8 @@ def dcmha_attention_call(call, *, scale=None, block_sizes: Optional[BlockSizes] 
     fit = lambda blk, L: min(blk, max(floor, _next_pow2(L)))  # noqa: E731
     bq_b, bk_b = block_sizes.backward
     d_p, dv_p = max(floor, _next_pow2(d)), max(floor, _next_pow2(d_v))
-    blocks = _fitted((fit(block_sizes.block_q, T), fit(block_sizes.block_k, S), fit(bq_b, T),
-                      fit(bk_b, S)), M, d_p, dv_p, interpret)
+    blocks, warps = _fitted((fit(block_sizes.block_q, T), fit(block_sizes.block_k, S),
+                             fit(bq_b, T), fit(bk_b, S)), M, d_p, dv_p, interpret)
     # Both tilings must cover the padded lengths: pad to the largest tile.
     T_p = -(-T // max(blocks[0], blocks[2])) * max(blocks[0], blocks[2])
     S_p = -(-S // max(blocks[1], blocks[3])) * max(blocks[1], blocks[3])
@@ -290,7 +299,7 @@ def dcmha_attention_call(call, *, scale=None, block_sizes: Optional[BlockSizes] 
                  causal=call.use_causal_mask, window=call.sliding_window,
                  offset=call.static_offset, has_mask=mask is not None, pre=tuple(stages["pre"]),
                  post=tuple(stages["post"]), ranks=ranks, blocks=blocks,
-                 scores=bool(call.return_attention_scores), interpret=interpret)
+                 warps=warps, scores=bool(call.return_attention_scores), interpret=interpret)
 
     def heads_major(x, L_p, h_p):  # (B, L, H, h) -> (B, H, L_p, h_p)
         x = jnp.swapaxes(x, 1, 2)

@@ -95,5 +95,6 @@ def forward(opts, q, k, v, terms, mask):
                                opts=opts, n_k=S_p // bk)
     return pl.pallas_call(
         kernel, grid=(B, opts.G, T_p // bq), in_specs=specs + ts, out_specs=out_specs,
-        out_shape=out_shape, interpret=opts.interpret, compiler_params=compiler_params(opts),
+        out_shape=out_shape, interpret=opts.interpret,
+        compiler_params=compiler_params(opts, False),
         name="dcmha_forward")(*arrays, *ta)

@@ -77,10 +77,11 @@ def grad_outputs(opts, side, B, L, blk):
     return names, shapes, specs
 
 
-def compiler_params(opts):
+def compiler_params(opts, backward):
+    """Triton parameters of the forward (or the ``backward``) kernels; None interpreted."""
     if opts.interpret:
         return None
     from jax.experimental.pallas import triton as plgpu
-    return plgpu.CompilerParams(num_warps=4, num_stages=2)
+    return plgpu.CompilerParams(num_warps=opts.warps[int(backward)], num_stages=2)
 
 

@@ -65,11 +65,9 @@ def _dot_nn(opts, a, b):
 # One head of a (H, ...) array
 # ---------------------------------------------------------------------------
 
-def _onehot(x, m, axis=0):
-    """Bool, broadcastable to ``x``: True at index ``m`` of ``axis``."""
-    shape = [1] * x.ndim
-    shape[axis] = x.shape[axis]
-    return lax.broadcasted_iota(jnp.int32, tuple(shape), axis) == m
+def _onehot(x, m):
+    """(H, 1, ...) bool, broadcastable to the (H, ...) array ``x``: True at head ``m``."""
+    return lax.broadcasted_iota(jnp.int32, (x.shape[0],) + (1,) * (x.ndim - 1), 0) == m
 
 
 def _take(x, m):
@@ -103,8 +101,8 @@ def _kv_head(opts, g, m):
 
 def _terms(refs, opts, stage, rows, cols):
     """{name: (ref, slice)} of one stage's compose terms: query-side ones sliced by ``rows``,
-    key-side ones by ``cols`` along the sequence; static with no slice."""
-    out = {}
+    key-side ones by ``cols`` along the sequence, static with no slice; "_stage": the stage."""
+    out = {"_stage": stage}
     for n in getattr(opts, stage):
         out[n] = (refs[f"{stage}_{n}"], None if n == "static" else rows if n[0] == "q" else cols)
     return out
@@ -147,12 +145,6 @@ def _compose(opts, x, t, transpose=False):
     if gates:
         out = out + x * (gates[0] + gates[1] if len(gates) == 2 else gates[0])
     return out
-
-
-def _stage_terms(refs, opts, stage, rows, cols):
-    t = _terms(refs, opts, stage, rows, cols)
-    t["_stage"] = stage
-    return t
 
 
 def _grad_zeros(opts, stage, side, length):
@@ -203,8 +195,7 @@ def _store_grads(r, gw):
     """Write the accumulated weight gradients (``_grad_zeros`` layout) of both stages."""
     for st in STAGES:
         for name, val in gw[st].items():
-            ref = r[f"d{st}_{name}"]
-            ref[...] = val
+            r[f"d{st}_{name}"][...] = val
 
 
 # ---------------------------------------------------------------------------
@@ -276,8 +267,8 @@ class Tile:
     def __init__(self, opts, r, g, t0, s0, rows, cols, bq, bk):
         self.opts, self.r, self.g, self.rows, self.cols = opts, r, g, rows, cols
         self.valid = _valid(opts, r, t0, s0, bq, bk, rows, cols)
-        self.pre = _stage_terms(r, opts, "pre", rows, cols)
-        self.post = _stage_terms(r, opts, "post", rows, cols)
+        self.pre = _terms(r, opts, "pre", rows, cols)
+        self.post = _terms(r, opts, "post", rows, cols)
         self.shape = (opts.H, bq, bk)
 
     def _load(self, name, m, lo_rows, kv):
