@@ -1,10 +1,12 @@
 """The package's house rules, read from the source (nothing is imported):
 
-- no library module is longer than ``MAX_LINES`` lines;
+- no library module is longer than ``MAX_LINES`` lines, and every class has a docstring;
 - outside the registry (``dcmha.registry``) and the backend seam (``dcmha.backend``), no
   module of ``dcmha_core/`` or ``export/`` compares with a Keras backend name or keys a
   table on one: backend-specific code lives behind the seam or in ``backends/``.
 """
+
+import ast
 
 import pytest
 
@@ -61,3 +63,11 @@ def test_core_and_export_name_no_backend(tree):
     found = {m: len(backend_comparisons(p)) for m, p in shared.items()}
     assert {m: n for m, n in found.items() if n} == {
         m: n for m, n in NOT_BACKEND_BEHAVIOUR.items() if m in shared}
+
+
+def test_every_library_class_has_a_docstring():
+    modules = _modules()
+    bare = [f"{m}:{node.lineno} {node.name}" for m, p in modules.items()
+            for node in ast.walk(ast.parse(p.read_text(), str(p)))
+            if isinstance(node, ast.ClassDef) and not ast.get_docstring(node)]
+    assert bare == []

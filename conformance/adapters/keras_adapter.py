@@ -61,6 +61,9 @@ def _import_keras(backend: str, adapter: str):
 
 
 class _KerasAdapter(Adapter):
+    """The DCMHA Keras layer on one Keras backend (``backend``), run in a process of its
+    own; subclasses name the backend and what it can run."""
+
     backend = ""
     capabilities = CAPABILITIES
     #: The layer's ``implementation`` argument.
@@ -230,6 +233,8 @@ class _KerasAdapter(Adapter):
 
 
 class KerasJaxAdapter(_KerasAdapter):
+    """The Keras layer on the JAX backend."""
+
     name = "keras-jax"
     backend = "jax"
 
@@ -282,6 +287,8 @@ class KerasJaxAdapter(_KerasAdapter):
 
 
 class KerasTorchAdapter(_KerasAdapter):
+    """The Keras layer on the PyTorch backend."""
+
     name = "keras-torch"
     backend = "torch"
 
@@ -317,6 +324,8 @@ class KerasTorchAdapter(_KerasAdapter):
 
 
 class KerasTensorFlowAdapter(_KerasAdapter):
+    """The Keras layer on the TensorFlow backend."""
+
     name = "keras-tensorflow"
     backend = "tensorflow"
 

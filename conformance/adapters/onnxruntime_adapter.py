@@ -35,6 +35,9 @@ from dcmha.spec import reference
 
 
 class OnnxRuntimeAdapter(Adapter):
+    """The ONNX graphs of ``dcmha.export`` run by onnxruntime (forward and decoding
+    segments, float32 and float16)."""
+
     name = "onnxruntime"
     capabilities = frozenset({"forward", "decode", "float32", "float16", "intermediates",
                               "attention_scores", "long_sequences"})

@@ -18,6 +18,9 @@ from dcmha.spec import reference
 
 
 class ReferenceAdapter(Adapter):
+    """The NumPy reference (``dcmha.spec.reference``): the numbers every other adapter
+    is compared with; every capability."""
+
     name = "reference"
     capabilities = CAPABILITIES
 
