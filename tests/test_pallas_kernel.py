@@ -220,12 +220,12 @@ def test_argument_validation_shapes_and_blocks():
 # GPU validity: the kernels lower to Triton (no GPU needed to lower)
 # ---------------------------------------------------------------------------
 
-def _export_for_cuda(N=6, G=2, R=2, N_kv=3):
+def _export_for_cuda(N=6, G=2, R=2, N_kv=3, T=40, S=72):
     """Lower forward + backward (half inputs, GQA, non-power-of-two M, N_kv, d, all terms,
     mask, causal window, returned scores) for CUDA; returns the exported module text."""
     from jax import export
 
-    B, T, S, d, d_v = 2, 40, 72, 12, 8
+    B, d, d_v = 2, 12, 8
     M = N // G
     sd = lambda *s, dt=jnp.float16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
     terms = dict(qw1=sd(B, T, G, R, M), qw2=sd(B, T, G, R, M), kw1=sd(B, S, G, R, M),
@@ -288,6 +288,15 @@ def test_kernel_code_does_not_grow_with_heads_or_rank():
     large = _triton_modules(N=16, G=2, R=4, N_kv=8)
     for a, b in zip(small, large):
         assert ops(a) == ops(b)
+
+
+def test_one_kernel_serves_the_lengths_of_one_padding():
+    """The lengths and the query offset are runtime values: T=37, S=70 and T=40, S=72 (both
+    padded to 48 x 96 for these tiles) lower to the same three kernels, character for
+    character, and T=60 (padded to 64) to other ones."""
+    base = _triton_modules()
+    assert _triton_modules(T=37, S=70) == base
+    assert _triton_modules(T=60) != base
 
 
 @pytest.mark.skipif(not os.environ.get("DCMHA_SLOW_TESTS"),

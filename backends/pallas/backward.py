@@ -21,12 +21,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .specs import compiler_params, grad_outputs, term_inputs
+from .specs import compiler_params, grad_outputs, sizes_spec, term_inputs
 from .tiles import (F32, STAGES, Tile, _dot_nn, _dot_tn, _grad_zeros, _heads, _key_range, _put,
                     _query_range, _row_vector, _store_grads, _store_heads, _take)
 
 
-def _backward_rows_kernel(*refs, names, opts, n_k):
+def _backward_rows_kernel(*refs, names, opts):
     """One (batch, group, query tile): delta pass, then dq and query-side weight gradients."""
     r = dict(zip(names, refs))
     bq, bk = opts.blocks[2:]
@@ -42,7 +42,7 @@ def _backward_rows_kernel(*refs, names, opts, n_k):
         x = tile(j)
         return delta + jnp.sum(x.probs(lse)[1] * x.dp(x.dpp()), axis=2)
 
-    lo, hi = _key_range(opts, t0, bq, bk, n_k)
+    lo, hi = _key_range(opts, r, t0, bq, bk)
     delta = lax.fori_loop(lo, hi, delta_step, jnp.zeros((opts.H, bq), F32))
 
     def grad_step(j, carry):
@@ -62,7 +62,7 @@ def _backward_rows_kernel(*refs, names, opts, n_k):
     _store_grads(r, gw)
 
 
-def _backward_cols_kernel(*refs, names, opts, n_q):
+def _backward_cols_kernel(*refs, names, opts):
     """One (batch, group, key tile): dk, dv and key-side weight gradients over query tiles."""
     r = dict(zip(names, refs))
     bq, bk = opts.blocks[2:]
@@ -85,7 +85,7 @@ def _backward_cols_kernel(*refs, names, opts, n_q):
         dk, dv = _heads(opts, head, (dk, dv))
         return dk, dv, x.weight_grads(gw, "k", s, p, dpp, da)
 
-    lo, hi = _query_range(opts, s0, bq, bk, n_q)
+    lo, hi = _query_range(opts, r, s0, bq, bk)
     d_p, dv_p = r["k"].shape[-1], r["v"].shape[-1]
     init = (jnp.zeros((opts.H, bk, d_p), F32), jnp.zeros((opts.H, bk, dv_p), F32),
             {st: _grad_zeros(opts, st, "k", bk) for st in STAGES})
@@ -94,7 +94,7 @@ def _backward_cols_kernel(*refs, names, opts, n_q):
     _store_grads(r, gw)
 
 
-def backward(opts, q, k, v, terms, mask, lse, do, dscores):
+def backward(opts, q, k, v, terms, mask, sizes, lse, do, dscores):
     """Run both backward kernels -> (dq, dk, dv, dterms) in kernel layouts (float32).
 
     dscores: the cotangent of the returned scores (B, N, T_p, S_p), or None.
@@ -113,9 +113,9 @@ def backward(opts, q, k, v, terms, mask, lse, do, dscores):
         return pl.BlockSpec((None, N_kv, S_p, dim), lambda b, g, i: (b, 0, 0, 0))
 
     vec = pl.BlockSpec((None, M, bq), lambda b, g, i: (b, g, i))
-    names = ["q", "k", "v", "do", "lse"]
-    arrays = [q, k, v, do, lse]
-    specs = [row(d_p), full_kv(d_p), full_kv(dv_p), row(dv_p), vec]
+    names = ["q", "k", "v", "do", "lse", "sizes"]
+    arrays = [q, k, v, do, lse, sizes]
+    specs = [row(d_p), full_kv(d_p), full_kv(dv_p), row(dv_p), vec, sizes_spec()]
     if opts.has_mask:
         names.append("mask")
         arrays.append(mask)
@@ -128,7 +128,7 @@ def backward(opts, q, k, v, terms, mask, lse, do, dscores):
     gn, gs, gsp = grad_outputs(opts, "q", B, T_p, bq)
     outs = pl.pallas_call(
         functools.partial(_backward_rows_kernel, names=tuple(names + tn + ["dq", "delta"] + gn),
-                          opts=opts, n_k=S_p // bk),
+                          opts=opts),
         grid=(B, G, T_p // bq), in_specs=specs + ts,
         out_specs=[row(d_p), vec] + gsp,
         out_shape=[jax.ShapeDtypeStruct((B, N, T_p, d_p), jnp.float32),
@@ -148,9 +148,10 @@ def backward(opts, q, k, v, terms, mask, lse, do, dscores):
         return pl.BlockSpec((None, N_kv, bk, dim), lambda b, g, j: (b, 0, j, 0))
 
     full_vec = pl.BlockSpec((None, M, T_p), lambda b, g, j: (b, g, 0))
-    names = ["q", "k", "v", "do", "lse", "delta"]
-    arrays = [q, k, v, do, lse, delta]
-    specs = [full_q(d_p), kv_tile(d_p), kv_tile(dv_p), full_q(dv_p), full_vec, full_vec]
+    names = ["q", "k", "v", "do", "lse", "delta", "sizes"]
+    arrays = [q, k, v, do, lse, delta, sizes]
+    specs = [full_q(d_p), kv_tile(d_p), kv_tile(dv_p), full_q(dv_p), full_vec, full_vec,
+             sizes_spec()]
     if opts.has_mask:
         names.append("mask")
         arrays.append(mask)
@@ -163,7 +164,7 @@ def backward(opts, q, k, v, terms, mask, lse, do, dscores):
     gn, gs, gsp = grad_outputs(opts, "k", B, S_p, bk)
     outs = pl.pallas_call(
         functools.partial(_backward_cols_kernel, names=tuple(names + tn + ["dk", "dv"] + gn),
-                          opts=opts, n_q=T_p // bq),
+                          opts=opts),
         grid=(B, G, S_p // bk), in_specs=specs + ts,
         out_specs=[col(d_p), col(dv_p)] + gsp,
         out_shape=[jax.ShapeDtypeStruct((B, N, S_p, d_p), jnp.float32),

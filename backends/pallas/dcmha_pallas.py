@@ -8,12 +8,14 @@ and the backward reads their cotangent the same way). Post-composition mixes the
 enough: every kernel holds all M heads of one group for a (query tile, key tile) pair
 and works in passes over tiles (see ``forward`` and ``backward``).
 
-Inputs are padded to whole tiles (and head dims to powers of two) here; padded rows and
-keys are masked like any masked entry. Scores, compose, softmax and accumulation are
-float32 whatever the input dtype. Interpreted, dots are full float32; compiled, they are
-three TF32 tensor-core products of the operands' high and low parts (about float32's
-accuracy; IEEE float32 dots compile to unrolled scalar FMAs: slow on the GPU, and
-minutes of compiling at d = 128).
+Inputs are padded here: lengths to whole tiles and to steps of 1/16 of their power of two
+(``_padded``), head dims to powers of two; padded rows and keys are masked like any masked
+entry. The true lengths and the query offset reach the kernels as runtime values, so the
+lengths that pad alike lower to the same kernels (the same Triton IR). Scores, compose,
+softmax and accumulation are float32 whatever the input dtype. Interpreted, dots are full
+float32; compiled, they are three TF32 tensor-core products of the operands' high and low
+parts (about float32's accuracy; IEEE float32 dots compile to unrolled scalar FMAs: slow on
+the GPU, and minutes of compiling at d = 128).
 
 GPU: the same kernels compile for Triton (interpret=False): every tile is a power of two
 and at least 16 (tl.dot's minimum), and tiles are halved until each (heads, rows,
@@ -64,6 +66,8 @@ _MIN_GPU_DIM = 16
 #: A backward program holds five such tiles (scores, probabilities and three gradients) and
 #: its accumulators: 8192 float32 are 32 registers per thread at 8 warps.
 TILE_ELEMENTS = 8192
+#: Padded lengths step by 1/16 of the length's power of two (``_padded``).
+_LENGTH_STEPS = 16
 #: Elements of the largest tile per warp of a compiled program (4 to 8 warps, ``_fitted``).
 _WARP_ELEMENTS = 1024
 
@@ -102,17 +106,15 @@ class BlockSizes:
 
 @dataclasses.dataclass(frozen=True)
 class _Opts:
-    """Static description of one call (hashable: the custom_vjp's nondiff argument)."""
+    """Static description of one call (hashable: the custom_vjp's nondiff argument). The
+    lengths and the query offset are runtime values (the kernels' "sizes" input)."""
 
-    T: int
-    S: int
     G: int
     M: int
     rep: int             # query heads per kv head
     scale: float
     causal: bool
     window: Optional[int]
-    offset: int          # absolute position of query row 0 (keys start at 0)
     has_mask: bool
     pre: tuple           # term names present in the pre stage, in TERMS order
     post: tuple
@@ -136,24 +138,24 @@ class _Opts:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(opts, q, k, v, terms, mask):
-    """o, or (o, scores) with opts.scores, all in kernel layouts."""
-    out = forward.forward(opts, q, k, v, terms, mask)
+def _fused(opts, q, k, v, terms, mask, sizes):
+    """o, or (o, scores) with opts.scores, all in kernel layouts; sizes: (T, S, offset, 0)."""
+    out = forward.forward(opts, q, k, v, terms, mask, sizes)
     return (out[0], out[2]) if opts.scores else out[0]
 
 
-def _fused_fwd(opts, q, k, v, terms, mask):
-    out = forward.forward(opts, q, k, v, terms, mask)
+def _fused_fwd(opts, q, k, v, terms, mask, sizes):
+    out = forward.forward(opts, q, k, v, terms, mask, sizes)
     primal = (out[0], out[2]) if opts.scores else out[0]
-    return primal, (q, k, v, terms, mask, out[1])
+    return primal, (q, k, v, terms, mask, sizes, out[1])
 
 
 def _fused_bwd(opts, res, ct):
-    q, k, v, terms, mask, lse = res
+    q, k, v, terms, mask, sizes, lse = res
     do, dscores = ct if opts.scores else (ct, None)
-    dq, dk, dv, dterms = backward.backward(opts, q, k, v, terms, mask, lse, do, dscores)
+    dq, dk, dv, dterms = backward.backward(opts, q, k, v, terms, mask, sizes, lse, do, dscores)
     dterms = jax.tree.map(lambda g, x: g.astype(x.dtype), dterms, terms)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dterms, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dterms, None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -267,6 +269,14 @@ def _fitted(blocks, M, d_p, dv_p, interpret):
     return tuple(out), tuple(warps)
 
 
+def _padded(L, tiles):
+    """A length padded for the kernels: to a multiple of its tiles and of 1/16 of its power of
+    two (at most 1/8 more), so that the lengths padding to the same value share one compiled
+    kernel (the true length is a runtime value)."""
+    unit = max(*tiles, _next_pow2(L) // _LENGTH_STEPS)
+    return -(-L // unit) * unit
+
+
 def dcmha_attention_call(call, *, scale=None, block_sizes: Optional[BlockSizes] = None,
                          interpret: Optional[bool] = None):
     """The fused kernels on a validated ``dcmha.call.AttentionCall``, not checked again (the
@@ -288,16 +298,14 @@ def dcmha_attention_call(call, *, scale=None, block_sizes: Optional[BlockSizes] 
     d_p, dv_p = max(floor, _next_pow2(d)), max(floor, _next_pow2(d_v))
     blocks, warps = _fitted((fit(block_sizes.block_q, T), fit(block_sizes.block_k, S),
                              fit(bq_b, T), fit(bk_b, S)), M, d_p, dv_p, interpret)
-    # Both tilings must cover the padded lengths: pad to the largest tile.
-    T_p = -(-T // max(blocks[0], blocks[2])) * max(blocks[0], blocks[2])
-    S_p = -(-S // max(blocks[1], blocks[3])) * max(blocks[1], blocks[3])
+    T_p, S_p = _padded(T, blocks[0::2]), _padded(S, blocks[1::2])
 
     ranks = tuple((st, side, int(terms[side + "w1"].shape[3]))
                   for st, terms in stages.items() for side in "qk" if side + "w1" in terms)
-    opts = _Opts(T=T, S=S, G=G, M=M, rep=N // N_kv,
+    opts = _Opts(G=G, M=M, rep=N // N_kv,
                  scale=float(1.0 / math.sqrt(d) if scale is None else scale),
                  causal=call.use_causal_mask, window=call.sliding_window,
-                 offset=call.static_offset, has_mask=mask is not None, pre=tuple(stages["pre"]),
+                 has_mask=mask is not None, pre=tuple(stages["pre"]),
                  post=tuple(stages["post"]), ranks=ranks, blocks=blocks,
                  warps=warps, scores=bool(call.return_attention_scores), interpret=interpret)
 
@@ -325,7 +333,8 @@ def dcmha_attention_call(call, *, scale=None, block_sizes: Optional[BlockSizes] 
         mask_k = jnp.broadcast_to(kernel_call.shared_mask(jnp.asarray(mask)), (B, T, S))
         mask_k = jnp.pad(mask_k.astype(jnp.int8), ((0, 0), (0, T_p - T), (0, S_p - S)))
     out = _fused(opts, heads_major(q, T_p, d_p), heads_major(k, S_p, d_p),
-                 heads_major(v, S_p, dv_p), terms, mask_k)
+                 heads_major(v, S_p, dv_p), terms, mask_k,
+                 jnp.array([T, S, call.static_offset, 0], jnp.int32))
     o = out[0] if opts.scores else out
     o = jnp.swapaxes(o[:, :, :T, :d_v], 1, 2)
     return (o, out[1][:, :, :T, :S]) if opts.scores else o

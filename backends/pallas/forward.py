@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .specs import compiler_params, term_inputs
+from .specs import compiler_params, sizes_spec, term_inputs
 from .tiles import (F32, MASKED, Tile, _dot_nn, _heads, _key_range, _put, _store_heads,
                     _take)
 
@@ -39,7 +39,7 @@ def _forward_kernel(*refs, names, opts, n_k):
         e = jnp.where(x.valid, jnp.exp(a - new_mx[:, :, None]), 0.0)
         return new_mx, sm * jnp.exp(mx - new_mx) + jnp.sum(e, axis=2)
 
-    lo, hi = _key_range(opts, t0, bq, bk, n_k)
+    lo, hi = _key_range(opts, r, t0, bq, bk)
     init = (jnp.full((opts.H, bq), MASKED, F32), jnp.zeros((opts.H, bq), F32))
     mx, sm = lax.fori_loop(lo, hi, lse_step, init)
     # A fully masked row has sum 0: any finite lse works, P is zeroed by the mask.
@@ -63,7 +63,7 @@ def _forward_kernel(*refs, names, opts, n_k):
     _store_heads(opts, ((r["o"], acc), (r["lse"], lse)))
 
 
-def forward(opts, q, k, v, terms, mask):
+def forward(opts, q, k, v, terms, mask, sizes):
     """Run the forward kernel on kernel-layout arrays -> (o, lse[, scores])."""
     B, N, T_p, d_p = q.shape
     N_kv, S_p = k.shape[1], k.shape[2]
@@ -73,10 +73,10 @@ def forward(opts, q, k, v, terms, mask):
     def full_kv(dim):
         return pl.BlockSpec((None, N_kv, S_p, dim), lambda b, g, i: (b, 0, 0, 0))
 
-    names = ["q", "k", "v"]
-    arrays = [q, k, v]
+    names = ["q", "k", "v", "sizes"]
+    arrays = [q, k, v, sizes]
     specs = [pl.BlockSpec((None, opts.M, bq, d_p), lambda b, g, i: (b, g, i, 0)),
-             full_kv(d_p), full_kv(dv_p)]
+             full_kv(d_p), full_kv(dv_p), sizes_spec()]
     if opts.has_mask:
         names.append("mask")
         arrays.append(mask)

@@ -1,6 +1,6 @@
 """BlockSpecs of the fused Pallas kernels' compose terms and weight gradients.
 
-Kernel layouts (made by ``dcmha_pallas``): q (B,N,T_p,d_p), k (B,N_kv,S_p,d_p),
+Kernel layouts (made by ``dcmha_pallas``): sizes (4,) int32, q (B,N,T_p,d_p), k (B,N_kv,S_p,d_p),
 v (B,N_kv,S_p,dv_p), do (B,N,T_p,dv_p), lse/delta (B,N,T_p) float32, mask (B,T_p,S_p)
 int8; the compose terms with the M heads of a group zero-padded to H (a power of two) and
 the ranks R to R_p: qw1/qw2 (B,G,R_p,H,T_p), kw1/kw2 (B,G,R_p,H,S_p), qdd (B,G,H,T_p),
@@ -75,6 +75,11 @@ def grad_outputs(opts, side, B, L, blk):
                 specs.append(pl.BlockSpec((None, None, R, M, blk),
                                           lambda b, g, i: (b, g, 0, 0, i)))
     return names, shapes, specs
+
+
+def sizes_spec():
+    """BlockSpec of the kernels' (4,) int32 "sizes" input: T, S, query offset, 0."""
+    return pl.BlockSpec((4,), lambda b, g, i: (0,))
 
 
 def compiler_params(opts, backward):

@@ -202,12 +202,21 @@ def _store_grads(r, gw):
 # Masks and tile ranges
 # ---------------------------------------------------------------------------
 
+def _lengths(refs):
+    """(T, S, offset): the true lengths and the query offset, runtime values of the "sizes"
+    input (the kernels' text does not depend on them: every length that pads to the same
+    T_p, S_p lowers to the same kernels)."""
+    sizes = refs["sizes"]
+    return sizes[0], sizes[1], sizes[2]
+
+
 def _valid(opts, refs, t0, s0, bq, bk, mask_rows, mask_cols):
     """(H, bq, bk) bool: the entries of the tile that attend (padding, padding heads masked)."""
+    T, S, offset = _lengths(refs)
     t = t0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     s = s0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    ok = (t < opts.T) & (s < opts.S)
-    t = t + opts.offset   # absolute query position
+    ok = (t < T) & (s < S)
+    t = t + offset   # absolute query position
     if opts.causal:
         ok &= s <= t
     if opts.window is not None:
@@ -217,36 +226,39 @@ def _valid(opts, refs, t0, s0, bq, bk, mask_rows, mask_cols):
     return ok[None] & _head_ok(opts)
 
 
-def _key_range(opts, t0, bq, bk, n_k):
+def _key_range(opts, refs, t0, bq, bk):
     """[lo, hi) of the key tiles that can hold an allowed entry for rows [t0, t0 + bq).
 
     ``dcmha.spec.terms.key_range`` in tiles, written with lax ops because t0 is
-    traced (the kernel's program id).
+    traced (the kernel's program id); empty for padding rows.
     """
-    lo, hi = 0, n_k
-    first = t0 + opts.offset           # absolute positions of the first and last row
+    T, S, offset = _lengths(refs)
+    lo, hi = 0, lax.div(S + bk - 1, bk)
+    first = t0 + offset                # absolute positions of the first and last row
     last = first + bq - 1
     if opts.causal:
         hi = jnp.minimum(hi, lax.div(last, bk) + 1)
     if opts.window is not None:
         lo = lax.div(jnp.maximum(first - opts.window + 1, 0), bk)
         hi = jnp.minimum(hi, lax.div(last + opts.window - 1, bk) + 1)
-    return lo, hi
+    return lo, jnp.where(t0 < T, hi, 0)
 
 
-def _query_range(opts, s0, bq, bk, n_q):
+def _query_range(opts, refs, s0, bq, bk):
     """[lo, hi) of the query tiles that can hold an allowed entry for keys [s0, s0 + bk).
 
-    The converse of ``dcmha.spec.terms.key_range`` (same causal / window rule), in tiles.
+    The converse of ``dcmha.spec.terms.key_range`` (same causal / window rule), in tiles;
+    empty for padding keys.
     """
-    lo, hi = 0, n_q
-    s0 = s0 - opts.offset              # key positions relative to query row 0
-    if opts.causal:                    # rows t >= s0
-        lo = lax.div(jnp.maximum(s0, 0), bq)
-    if opts.window is not None:        # rows s0 - W < t < s0 + bk - 1 + W
-        lo = jnp.maximum(lo, lax.div(jnp.maximum(s0 - opts.window + 1, 0), bq))
-        hi = jnp.minimum(hi, lax.div(jnp.maximum(s0 + bk + opts.window - 2, 0), bq) + 1)
-    return lo, hi
+    T, S, offset = _lengths(refs)
+    lo, hi = 0, lax.div(T + bq - 1, bq)
+    rel = s0 - offset                  # key positions relative to query row 0
+    if opts.causal:                    # rows t >= rel
+        lo = lax.div(jnp.maximum(rel, 0), bq)
+    if opts.window is not None:        # rows rel - W < t < rel + bk - 1 + W
+        lo = jnp.maximum(lo, lax.div(jnp.maximum(rel - opts.window + 1, 0), bq))
+        hi = jnp.minimum(hi, lax.div(jnp.maximum(rel + bk + opts.window - 2, 0), bq) + 1)
+    return lo, jnp.where(s0 < S, hi, 0)
 
 
 # ---------------------------------------------------------------------------
