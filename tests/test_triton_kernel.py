@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 
 import kernel_cases  # noqa: E402
 from dcmha.backends import triton as tb  # noqa: E402
+from dcmha.backends.triton import dcmha_triton  # noqa: E402
 from kernel_cases import TERMS, assert_close, spec_result  # noqa: E402
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BLOCKS = dict(block_q=8, block_k=8)   # T = 11, S = 9: two partial-tile blocks each way
@@ -157,6 +158,27 @@ def test_half_dtypes(dtype):
 # ---------------------------------------------------------------------------
 # API
 # ---------------------------------------------------------------------------
+
+def test_fitted_tiles_and_warps():
+    """Tiles shrink to TILE_ELEMENTS per (heads, rows, columns) tile, warps follow the
+    largest tile at ELEMENTS_PER_WARP each, between the requested count and 8."""
+    small = dcmha_triton.fitted(tb.BlockSizes(16, 16), M=1, d=8, d_v=8)
+    assert (small.block_q, small.block_k, small.num_warps) == (16, 16, 4)
+    # 4 heads x 32 x 32: 8 warps' worth of elements
+    heads, rows = 4, 32
+    assert heads * rows * rows == 8 * dcmha_triton.ELEMENTS_PER_WARP
+    mid = dcmha_triton.fitted(tb.BlockSizes(rows, rows), M=heads, d=8, d_v=8)
+    assert (mid.block_q, mid.block_k, mid.num_warps) == (rows, rows, 8)
+    big = dcmha_triton.fitted(tb.BlockSizes(128, 128), M=16, d=128, d_v=128)
+    assert big.num_warps == 8
+    # halved down to the floor of 16 (16 heads x 16 x 128 is still over the bound)
+    assert (big.block_q, big.block_k) == (16, 16)
+    assert 16 * 16 * 128 > dcmha_triton.TILE_ELEMENTS
+    wide = dcmha_triton.fitted(tb.BlockSizes(128, 64), M=4, d=64, d_v=64)
+    assert 4 * max(wide.block_q, wide.block_k) * 64 <= dcmha_triton.TILE_ELEMENTS
+    assert 4 * 2 * max(wide.block_q, wide.block_k) * 64 > dcmha_triton.TILE_ELEMENTS
+    assert wide.block_q >= wide.block_k and wide.num_warps == 8
+
 
 def test_block_sizes_and_argument_errors():
     assert tb.is_available(interpret=True)

@@ -55,6 +55,11 @@ TERM_NAMES = spec_terms.TERM_NAMES
 #: The most elements of one (heads, rows, columns) tile of a program (``fitted``):
 #: 16384 float32 are 128 registers per thread at 4 warps.
 TILE_ELEMENTS = 16384
+#: Warps of a compiled launch (``fitted``): one per this many elements of the largest tile,
+#: 4 to 8. The backward keeps several such tiles live; with fewer warps they spill to local
+#: memory and ptxas takes over 10 s (the float16 case's query backward: 11.2 s at 4 warps,
+#: 4.9 s at 8).
+ELEMENTS_PER_WARP = 512
 # Input dtypes of the kernels (no float64: tl.dot has none).
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -127,8 +132,8 @@ def fitted(blocks: BlockSizes, M: int, d: int, d_v: int) -> BlockSizes:
     """``blocks`` fitted to the problem: block_q / block_k halved (the larger first, not
     below 16) until every tile a program holds, (BLOCK_M, rows, BLOCK_D | BLOCK_DV |
     columns), has at most ``TILE_ELEMENTS`` elements, and num_warps raised to one warp per
-    ``TILE_ELEMENTS // 8`` elements of the largest. Larger tiles per thread live in local
-    memory instead of registers: slower on the GPU, and ptxas then takes minutes."""
+    ``ELEMENTS_PER_WARP`` elements of the largest (at most 8). Larger tiles per thread live
+    in local memory instead of registers: slower on the GPU, and ptxas then takes minutes."""
     heads, width = _pow2(M), max(_pow2(d, 16), _pow2(d_v, 16))
     bq, bk = blocks.block_q, blocks.block_k
 
@@ -140,7 +145,7 @@ def fitted(blocks: BlockSizes, M: int, d: int, d_v: int) -> BlockSizes:
             bq //= 2
         else:
             bk //= 2
-    warps = max(blocks.num_warps, min(8, _pow2(-(-largest() // (TILE_ELEMENTS // 8)))))
+    warps = max(blocks.num_warps, min(8, _pow2(-(-largest() // ELEMENTS_PER_WARP))))
     return dataclasses.replace(blocks, block_q=bq, block_k=bk, num_warps=warps)
 
 
