@@ -1,34 +1,155 @@
-"""``DCMHA``: the Keras layer (arguments, variables, call, shapes, config).
+"""``DCMHA``: Dynamically Composable Multi-Head Attention as one Keras layer.
 
-The math lives in ``dcmha.ops`` (functional, on ``keras.ops``); the layer's other
-concerns live beside this module, as mixins of ``DCMHA``: the forward pass
-(``forward``), the attention core and its override point (``core``), masks
-(``masking``), the decoding cache (``cache``) and the weights by name (``weights``).
+The layer is built as ``keras.layers.MultiHeadAttention`` is: one class holding its
+arguments, ``build``, the forward pass (``call``), the attention core and its override
+point ``_compute_attention``, its shapes and config, with module-level helpers for
+its arguments, ``attention_axes`` and masks. The math of the core is
+``dcmha.ops.dcmha_attention`` (on ``keras.ops``); the decoding cache's layout and
+checks are ``dcmha.layers.cache``; the weights by name (canonical spec names,
+``from_mha``, 0.1.0 files) are ``dcmha.layers.weights``; the dynamic composition
+weights are the ``DynamicWeightProjection`` sublayer (``dcmha.layers.dynamic_weights``).
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
 import string
 
 import numpy as np
 
 import keras
+from keras import ops
 
-from dcmha.layers._checks import (_call_flag, _flash_implementation, _int_tuple, _same_sizes,
-                                  _seeded)
-from dcmha.layers.axes import _AxesLayout
-from dcmha.layers.cache import _CacheMixin
-from dcmha.layers.core import _CoreMixin
+from dcmha import backend as seam
+from dcmha import ops as dops
+from dcmha import registry
+from dcmha.call import shape_of as _shape
+from dcmha.layers import cache as cache_lib
+from dcmha.layers import weights as weights_lib
 from dcmha.layers.dynamic_weights import DynamicWeightProjection
-from dcmha.layers.forward import _ForwardMixin
-from dcmha.layers.masking import _MaskMixin
-from dcmha.layers.weights import _WeightsMixin
 from dcmha.spec import reference as spec
+from dcmha.spec import terms as spec_terms
 
 _BOOL_ARGS = ("pre_compose", "post_compose", "query_wise", "key_wise", "dynamic_projection",
               "dynamic_gating", "static_compose", "gelu_approximate", "qk_norm", "use_bias",
               "cross_attention")
+
+#: The call in progress of a layer whose subclass overrides ``_compute_attention``:
+#: (layer, compose terms {stage: terms}, query offset). Keras's signature of the
+#: override point has no place for the per-call compose terms, so ``call`` hands
+#: them to the override's ``super()._compute_attention`` here, for the duration of
+#: that one call (a context variable: per thread and task, never on the layer).
+_OVERRIDE_CALL = contextvars.ContextVar("dcmha_override_call", default=None)
+
+
+# ---------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------
+
+def readable_value(x):
+    """``x`` as a NumPy array when its value can be read now, else None.
+
+    None inside ``jax.jit`` (a tracer), a ``tf.function`` (a symbolic tensor),
+    ``torch.compile`` / ``torch.export`` / a TorchScript trace (where reading
+    would bake the value or break the graph) and for torch "meta" tensors
+    (``dcmha.backend.readable_value``).
+    """
+    return seam.readable_value(x)
+
+
+def _seeded(initializer, seed):
+    """A fresh copy of ``initializer``, seeded with ``seed`` if it has no seed.
+
+    Keras initializers are stateless once seeded, so each variable gets its own
+    copy (and its own seed) to avoid identical values.
+    """
+    config = initializer.get_config()
+    if seed is not None and "seed" in config and config["seed"] is None:
+        config["seed"] = seed
+    return initializer.__class__.from_config(config)
+
+
+def _same_sizes(a, b):
+    """Two shapes agree where both sizes are known (None: unknown)."""
+    return len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b))
+
+
+def _int_tuple(value, ok):
+    """An int or a non-empty iterable of ints, each passing ``ok``, as a tuple; else None."""
+    items = (value,) if isinstance(value, (int, np.integer)) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        return None
+    if not items or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not ok(n)
+                        for n in items):
+        return None
+    return tuple(int(n) for n in items)
+
+
+def _product(sizes):
+    out = 1
+    for n in sizes:
+        out = out * n
+    return out
+
+
+def _flash_implementation(flash_attention, implementation, dropout):
+    """``implementation`` once MultiHeadAttention's ``flash_attention`` switch is applied.
+
+    None keeps it; True needs a fused core ("auto", which takes one wherever
+    the call allows it, or a fast path's name) and, as in MultiHeadAttention,
+    no dropout; False is the plain "ops" core.
+    """
+    registry.resolve(implementation)
+    if flash_attention is None:
+        return implementation
+    if flash_attention:
+        if implementation == "ops":
+            raise ValueError("`flash_attention=True` asks for a fused attention core, which "
+                             "`implementation='ops'` rules out. Received: flash_attention=True, "
+                             "implementation='ops'")
+        if dropout:
+            raise ValueError("`flash_attention=True` cannot be combined with attention dropout: "
+                             f"no fused core applies it. Received: dropout={dropout!r}")
+        return implementation
+    if implementation not in ("auto", "ops"):
+        raise ValueError("`flash_attention=False` asks for the plain 'ops' core, which "
+                         f"`implementation={implementation!r}` contradicts. Received: "
+                         f"flash_attention=False, implementation={implementation!r}")
+    return "ops"
+
+
+def _call_flag(name, value, traced_ok=False):
+    """A call flag as a Python bool (bools, ints: non-zero is True, scalar tensors).
+
+    A scalar tensor whose value cannot be read here (traced) is returned as a
+    boolean tensor when ``traced_ok``, else refused.
+    """
+    if isinstance(value, (bool, np.bool_, int, np.integer)):
+        return bool(value)
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        dtype = keras.backend.standardize_dtype(value.dtype)
+        if tuple(value.shape) == () and (dtype == "bool" or dtype.startswith(("int", "uint"))):
+            read = readable_value(value)
+            if read is not None:
+                return bool(read)
+            if traced_ok:
+                return ops.cast(value, "bool")
+            raise ValueError(f"`{name}` decides the structure of the outputs, so its value must "
+                             "be known when the layer is called: a Python bool or a concrete "
+                             f"scalar tensor. Received: a traced tensor of dtype {dtype}")
+        raise ValueError(f"`{name}` must be a boolean or a boolean scalar tensor. Received: "
+                         f"{name} of shape {tuple(value.shape)} and dtype {dtype}")
+    raise ValueError(f"`{name}` must be a boolean. Received: {name}={value!r}")
+
+
+def _check_fits(shape, expected, message):
+    """Raise ValueError(message) unless ``shape`` broadcasts to ``expected`` (static sizes)."""
+    if len(shape) > len(expected) or not all(
+            a in (1, None) or b is None or a == b for a, b in zip(shape[::-1], expected[::-1])):
+        raise ValueError(message)
 
 
 def _projection_equation(bound, outputs):
@@ -39,9 +160,193 @@ def _projection_equation(bound, outputs):
     return f"{lead}{b},{b}{o}->{lead}{o}", o
 
 
+# ---------------------------------------------------------------------------
+# attention_axes
+# ---------------------------------------------------------------------------
+
+class _AxesLayout:
+    """How inputs reach the (B, L, D) attention core when ``attention_axes`` asks for it.
+
+    The axes of the inputs outside ``attention_axes`` (but the batch axis)
+    join the batch axis (B' = B x their sizes) and the attention axes are
+    flattened into one length, in the order given, so attention over them is
+    attention over their flattened product, as in MultiHeadAttention. Outputs
+    and scores are unflattened the same way; scores take MultiHeadAttention's
+    layout (B, <other axes>, N, <query attention axes>, <key attention axes>).
+    Rank-3 inputs attending over axis 1 pass unchanged (``identity``).
+    """
+
+    def __init__(self, rank, batch_axes, axes):
+        self.rank, self.batch_axes, self.axes = rank, batch_axes, axes
+        self.identity = rank == 3
+        self.perm = (0,) + batch_axes + axes
+
+    @classmethod
+    def create(cls, rank, attention_axes):
+        axes = (tuple(range(1, rank - 1)) if attention_axes is None
+                else tuple(a + rank if a < 0 else a for a in attention_axes))
+        if len(set(axes)) != len(axes) or any(not 1 <= a <= rank - 2 for a in axes):
+            raise ValueError("`attention_axes` must name distinct axes of the inputs other than "
+                             f"the batch axis and the last axis: for inputs of rank {rank}, "
+                             f"axes in [1, {rank - 2}] or [{1 - rank}, -2]. "
+                             f"Received: attention_axes={attention_axes!r}")
+        return cls(rank, tuple(a for a in range(1, rank - 1) if a not in axes), axes)
+
+    def check_batch_axes(self, query_shape, value_shape):
+        if not _same_sizes([query_shape[a] for a in self.batch_axes],
+                           [value_shape[a] for a in self.batch_axes]):
+            raise ValueError("`query` and `value` must have the same sizes on the axes outside "
+                             f"`attention_axes` {self.axes}. Received: query.shape="
+                             f"{tuple(query_shape)}, value.shape={tuple(value_shape)}")
+
+    def split(self, shape):
+        """(B and the other axes' sizes, the attention axes' sizes) of an input's shape."""
+        return ([shape[0]] + [shape[a] for a in self.batch_axes], [shape[a] for a in self.axes])
+
+    def flatten(self, x, features=True):
+        """(B, ..., [D]) -> (B', L, [D]); ``features=False`` for a (B, ...) Keras mask."""
+        if self.identity:
+            return x
+        x = ops.transpose(x, self.perm + ((self.rank - 1,) if features else ()))
+        shape = ops.shape(x)
+        n = len(self.perm)
+        return ops.reshape(x, (-1, _product(shape[n - len(self.axes):n])) + tuple(shape[n:]))
+
+    def unflatten_output(self, y, query):
+        """(B', T, *out) -> (B, <query axes but the last>, *out)."""
+        if self.identity:
+            return y
+        batch, attn = self.split(ops.shape(query))
+        out = tuple(y.shape[2:])
+        y = ops.reshape(y, tuple(batch) + tuple(attn) + out)
+        back = tuple(int(i) for i in np.argsort(self.perm))
+        return ops.transpose(y, back + tuple(range(self.rank - 1, self.rank - 1 + len(out))))
+
+    def scores_shape(self, query_shape, key_shape, num_heads):
+        batch, q_attn = self.split(query_shape)
+        return tuple(batch) + (num_heads,) + tuple(q_attn) + tuple(self.split(key_shape)[1])
+
+    def unflatten_scores(self, scores, query, key):
+        """(B', N, T, S) -> MultiHeadAttention's scores layout."""
+        if self.identity:
+            return scores
+        return ops.reshape(scores, self.scores_shape(ops.shape(query), ops.shape(key),
+                                                     scores.shape[1]))
+
+    def flatten_mask(self, mask, query, key, num_heads):
+        """An attention mask in the scores layout (smaller ranks expanded at the head
+        axis, as MultiHeadAttention does) -> (B', 1 or N, T, S)."""
+        target = self.scores_shape(_shape(query), _shape(key), num_heads)
+        head = -2 * len(self.axes) - 1
+        m = mask
+        while len(m.shape) < len(target):
+            m = ops.expand_dims(m, head)
+        heads = 1 if m.shape[head] == 1 else num_heads
+        target_h = target[:head] + (heads,) + target[head + 1:]
+        _check_fits(_shape(m), target_h if heads == 1 else target,
+                    "`attention_mask` must broadcast to the attention scores' shape "
+                    f"(B, <other axes>, N, <query attention axes>, <key attention axes>) = "
+                    f"{target}. Received: attention_mask.shape={tuple(mask.shape)}")
+        dyn = self.scores_shape(ops.shape(query), ops.shape(key), heads)
+        m = ops.broadcast_to(m, dyn)
+        n = len(self.axes)
+        return ops.reshape(m, (-1, heads, _product(dyn[-2 * n:-n]), _product(dyn[-n:])))
+
+
+# ---------------------------------------------------------------------------
+# Masks
+# ---------------------------------------------------------------------------
+
+def _mask_tensor(mask):
+    """``attention_mask`` as a boolean tensor, True (non-zero) = attend; lists are converted."""
+    if mask is None:
+        return None
+    if isinstance(mask, (list, tuple)):
+        try:
+            array = np.asarray(mask)
+        except ValueError:                      # ragged nesting
+            array = None
+        if array is None or array.dtype.kind not in "biuf":
+            raise TypeError("`attention_mask` must be a tensor, an array or a nested list of "
+                            "booleans or numbers of one shape. Received: a "
+                            f"{type(mask).__name__} NumPy cannot read as such"
+                            f"{'' if array is None else f' (dtype {array.dtype})'}")
+        mask = ops.convert_to_tensor(array)
+    elif not (hasattr(mask, "shape") and hasattr(mask, "dtype")):
+        raise TypeError("`attention_mask` must be a tensor, an array or a nested list (True / "
+                        f"non-zero = attend). Received: {type(mask).__name__}")
+    dtype = keras.backend.standardize_dtype(mask.dtype)
+    if dtype != "bool" and not dtype.startswith(("int", "uint", "float", "bfloat")):
+        raise TypeError("`attention_mask` must be boolean, integer or float (non-zero = attend). "
+                        f"Received: attention_mask.dtype={dtype}")
+    # MultiHeadAttention's conversion: every non-zero value attends.
+    return mask if dtype == "bool" else ops.cast(mask, "bool")
+
+
+def _combine_masks(layout, num_heads, query, value, key, attention_mask, query_mask,
+                   value_mask, key_mask, causal, T, S, offset, has_cache):
+    """The boolean mask for the core, and the causal flag left for the core to apply.
+
+    MultiHeadAttention's combination by logical AND: ``attention_mask``, the
+    query mask as (B, T, 1), the value and key masks as (B, 1, S), the causal
+    mask; in the flattened layout of ``layout`` (``_AxesLayout``). A traced causal
+    flag is applied here as a mask. ``query``, ``value``, ``key``: the unflattened
+    inputs; T, S: the flattened lengths; ``offset``: the query's position
+    (``cache_update_index``); ``has_cache``: a decoding call.
+    """
+    mask = _mask_tensor(attention_mask)
+    parts = []
+    if mask is not None:
+        parts.append(mask if layout.identity
+                     else layout.flatten_mask(mask, query, key, num_heads))
+    for name, m, x, axis in (("query_mask", query_mask, query, -1),
+                             ("value_mask", value_mask, value, -2),
+                             ("key_mask", key_mask, key, -2)):
+        if m is None:
+            continue
+        if axis == -2 and has_cache:
+            raise ValueError(f"`{name}` cannot be combined with a `cache`: the keys are the "
+                             "cache's S_max positions; pass an `attention_mask` over them.")
+        if not hasattr(m, "shape") or not _same_sizes(_shape(m), _shape(x)[:-1]):
+            got = f"{name}.shape={tuple(m.shape)}" if hasattr(m, "shape") else type(m).__name__
+            name_x = name.split("_")[0]
+            raise ValueError(f"`{name}` must have the shape of `{name_x}` without its last "
+                             f"axis, {tuple(x.shape)[:-1]}. Received: {got}")
+        m = ops.cast(m, "bool")
+        parts.append(ops.expand_dims(layout.flatten(m, features=False), axis))
+    if not isinstance(causal, bool):
+        t = dops.arange_int32(0, T)[:, None] + ops.cast(offset, "int32")
+        s = dops.arange_int32(0, S)[None, :]
+        parts.append(ops.logical_or(ops.less_equal(s, t), ops.logical_not(causal))[None])
+        causal = False
+    if len(parts) > 1 and mask is not None and layout.identity:
+        # Combined below: check the explicit mask here, as the core would.
+        B, N = _shape(query)[0], num_heads
+        T_, S_ = _shape(query)[1], (S if isinstance(S, int) else None)
+        four = len(mask.shape) == 4
+        _check_fits(_shape(mask), (B, N, T_, S_) if four else (B, T_, S_),
+                    f"`attention_mask` must broadcast to (B, T, S) = {(B, T_, S_)}"
+                    f"{f' or (B, N, T, S) = {(B, N, T_, S_)}' if four else ''}. "
+                    f"Received: attention_mask.shape={tuple(mask.shape)}")
+    if len(parts) <= 1:
+        return (parts[0] if parts else None), causal
+    rank = 4 if any(len(p.shape) == 4 for p in parts) else 3
+    combined = None
+    for p in parts:
+        while len(p.shape) < 3:
+            p = p[None]
+        if rank == 4 and len(p.shape) == 3:
+            p = p[:, None]
+        combined = p if combined is None else ops.logical_and(combined, p)
+    return combined, causal
+
+
+# ---------------------------------------------------------------------------
+# The layer
+# ---------------------------------------------------------------------------
+
 @keras.saving.register_keras_serializable(package="dcmha")
-class DCMHA(_ForwardMixin, _CoreMixin, _MaskMixin, _CacheMixin, _WeightsMixin,
-            keras.layers.Layer):
+class DCMHA(keras.layers.Layer):
     """Dynamically Composable Multi-Head Attention (Xiao et al., ICML 2024).
 
     Multi-head attention whose heads are mixed, per query/key position pair,
@@ -241,7 +546,6 @@ class DCMHA(_ForwardMixin, _CoreMixin, _MaskMixin, _CacheMixin, _WeightsMixin,
         self._slots = spec.slots(c)
         self._query_slots = spec.side_slots(c, "query")
         self._key_slots = spec.side_slots(c, "key")
-        self._core_call = None           # the call in progress, for `_compute_attention`
 
     # ------------------------------------------------------------------ build
     def build(self, query_shape, value_shape, key_shape=None):
@@ -351,6 +655,16 @@ class DCMHA(_ForwardMixin, _CoreMixin, _MaskMixin, _CacheMixin, _WeightsMixin,
     output_dense = property(lambda self: self._output_dense)
     gate_dense = property(lambda self: self._gate_dense)
 
+    # The 0.1.0 attribute names of the projection weights (read-only views).
+    query_kernel = property(lambda self: self._query_dense.kernel)
+    key_kernel = property(lambda self: self._key_dense.kernel)
+    value_kernel = property(lambda self: self._value_dense.kernel)
+    output_kernel = property(lambda self: self._output_dense.kernel)
+    query_bias = property(lambda self: self._query_dense.bias)
+    key_bias = property(lambda self: self._key_dense.bias)
+    value_bias = property(lambda self: self._value_dense.bias)
+    output_bias = property(lambda self: self._output_dense.bias)
+
     def _projections(self):
         """{spec prefix: EinsumDense} of the built projections."""
         out = dict(query=self._query_dense, key=self._key_dense, value=self._value_dense,
@@ -359,6 +673,7 @@ class DCMHA(_ForwardMixin, _CoreMixin, _MaskMixin, _CacheMixin, _WeightsMixin,
             out["gate"] = self._gate_dense
         return out
 
+    # ------------------------------------------------------------------- call
     def call(self, query, value, key=None, attention_mask=None, use_causal_mask=False,
              return_attention_scores=False, training=None, cache=None,
              cache_update_index=None, query_mask=None, value_mask=None, key_mask=None):
@@ -395,6 +710,405 @@ class DCMHA(_ForwardMixin, _CoreMixin, _MaskMixin, _CacheMixin, _WeightsMixin,
         if new_cache is not None:
             extras["cache"] = new_cache
         return extras
+
+    # ------------------------------------------------------------ forward pass
+    def _check_inputs(self, query, value, key):
+        rank = self._layout.rank
+        for name, x in (("query", query), ("value", value), ("key", key)):
+            if len(x.shape) != rank:
+                raise ValueError(f"`{name}` must have rank {rank} "
+                                 f"{'(B, L, D)' if rank == 3 else '(B, ..., D)'}. "
+                                 f"Received: {name}.shape={tuple(x.shape)}")
+            if x.shape[-1] != self._dims[name]:
+                raise ValueError(f"`{name}` must have last dimension {self._dims[name]} (the "
+                                 f"layer was built for it). Received: {name}.shape="
+                                 f"{tuple(x.shape)}")
+        # Static sizes only: an exporter's symbolic sizes (torch traced sizes, jax
+        # dimension variables) read as None and are not compared.
+        if not _same_sizes(_shape(value)[1:-1], _shape(key)[1:-1]):
+            raise ValueError("`key` and `value` must have the same length. Received: "
+                             f"value.shape={tuple(value.shape)}, key.shape={tuple(key.shape)}")
+        if len({_shape(x)[0] for x in (query, value, key)} - {None}) > 1:
+            raise ValueError("`query`, `value` and `key` must have the same batch size. "
+                             f"Received: query.shape={tuple(query.shape)}, "
+                             f"value.shape={tuple(value.shape)}, key.shape={tuple(key.shape)}")
+        self._layout.check_batch_axes(_shape(query), _shape(value))
+
+    @staticmethod
+    def _project(dense, x):
+        # The sublayer's own __call__ casts to its compute dtype (also when
+        # compute_intermediates bypasses this layer's __call__).
+        return ops.cast(dense(x), "float32")
+
+    def _qk(self, y, scale, positions):
+        """QK-norm then RoPE, in float32."""
+        if self._cfg.qk_norm:
+            y = dops.rms_normalize(y, dops.QK_NORM_EPS, scale)
+        if self._cfg.rope_max_wavelength is not None:
+            y = dops.rope(y, positions, self._cfg.rope_max_wavelength)
+        return y
+
+    def _forward(self, query, value, key=None, attention_mask=None, use_causal_mask=False,
+                 training=None, cache=None, cache_update_index=None, scores=False,
+                 intermediates=False, query_mask=None, value_mask=None, key_mask=None):
+        """The forward pass shared by ``call`` and ``compute_intermediates``: input
+        checks, projections, dynamic weights, the decoding cache's read and write, the
+        masks, then the attention core. Returns (output, extras, new cache or None)."""
+        key = value if key is None else key
+        self_attention = key is query
+        query, value, key, attention_mask, query_mask, value_mask, key_mask, cache = \
+            seam.to_layer_device((query, value, key, attention_mask, query_mask, value_mask,
+                                  key_mask, cache))
+        self._check_inputs(query, value, key)
+        causal = _call_flag("use_causal_mask", use_causal_mask, traced_ok=True)
+        layout = self._layout
+        if cache is not None and not layout.identity:
+            raise ValueError("A decoding `cache` needs inputs of rank 3 (B, L, D). Received: "
+                             f"query.shape={tuple(query.shape)}")
+        if cache is not None:
+            cache_lib.check_cache(self._cfg, cache, query.shape[0])
+        out_of_range = write_index = None
+        # The slice written is the new keys': index + their length must fit the cache.
+        if cache is not None:
+            traced, cache_update_index = cache_lib.check_index(
+                cache_update_index, key.shape[1], cache["key"].shape[1])
+            if traced:
+                write_index, out_of_range = cache_lib.guard_index(
+                    cache_update_index, ops.shape(key)[1], ops.shape(cache["key"])[1])
+        inputs = (query, value, key)
+        query, value, key = (layout.flatten(x) for x in inputs)
+        if self_attention:                   # one projection of the dynamic weights
+            key = query
+        c = self._cfg
+        T = ops.shape(query)[1]
+        if write_index is not None:
+            cache_update_index = write_index
+        offset = 0 if cache_update_index is None else cache_update_index
+        q_pos = dops.arange_int32(0, T) + ops.cast(offset, "int32") \
+            if c.rope_max_wavelength is not None else None
+        qscale = getattr(self, "query_norm_scale", None)
+        kscale = getattr(self, "key_norm_scale", None)
+        # Dynamic weights: query-side slots read `query`, key-side slots `key`.
+        read_only = cache is not None and cache_update_index is None
+        fused = None                     # (projected query, dynamic weights) from one product
+        if self_attention and not read_only and self._slots and not c.cross_attention:
+            fused = seam.fused_query(self._query_dense, self.dynamic_projection_layer, query)
+        q = self._project(self._query_dense, query) if fused is None else fused[0]
+        q = self._qk(q, qscale, q_pos)
+
+        def dynamic(projection, x, slots=None):
+            # A DynamicWeightProjection's call, through the seam.
+            return seam.call_sublayer(projection, x, slots=slots)
+
+        if c.cross_attention:
+            qdyn = (dynamic(self.query_dynamic_projection, query)
+                    if self.query_dynamic_projection else {})
+            kdyn = (dynamic(self.key_dynamic_projection, key)
+                    if self.key_dynamic_projection and not read_only else {})
+        elif not self._slots:
+            qdyn, kdyn = {}, {}
+        elif self_attention and not read_only:
+            dyn = fused[1] if fused is not None else dynamic(self.dynamic_projection_layer,
+                                                             query)
+            qdyn = {s: dyn[s] for s in self._query_slots}
+            kdyn = {s: dyn[s] for s in self._key_slots}
+        else:
+            proj = self.dynamic_projection_layer
+            qdyn = dynamic(proj, query, self._query_slots) if self._query_slots else {}
+            kdyn = (dynamic(proj, key, self._key_slots)
+                    if self._key_slots and not read_only else {})
+
+        new_cache = None
+        if not read_only:
+            S_new = ops.shape(key)[1]
+            k_pos = dops.arange_int32(0, S_new) + ops.cast(offset, "int32") \
+                if c.rope_max_wavelength is not None else None
+            k = self._qk(self._project(self._key_dense, key), kscale, k_pos)
+            v = self._project(self._value_dense, value)
+        if cache is not None:
+            new_cache = dict(cache)
+            if not read_only:
+                writer = dops.cache_writer(cache_update_index, S_new, ops.shape(key)[0])
+
+                def write(name, update):
+                    new_cache[name] = writer(cache[name], update)
+                write("key", k)
+                write("value", v)
+                for name, w in spec_terms.pack_key_weights(kdyn, self._key_slots,
+                                                           stack=dops.stack).items():
+                    write(name, w)
+            k = dops.as_dtype(new_cache["key"], "float32")
+            v = dops.as_dtype(new_cache["value"], "float32")
+            kdyn = spec_terms.unpack_key_weights(
+                {n: dops.as_dtype(new_cache[n], "float32") for n in spec_terms.KEY_CACHE
+                 if n in new_cache}, self._key_slots, unstack=dops.unstack)
+
+        mask, causal = _combine_masks(
+            layout, self.num_heads, *inputs, attention_mask, query_mask, value_mask, key_mask,
+            causal, T, ops.shape(k)[1], offset, cache is not None)
+        terms = self._stage_terms(qdyn, kdyn)
+        if self._core_overridden():
+            if intermediates:
+                raise ValueError(f"{type(self).__name__} overrides `_compute_attention`, so "
+                                 "the intermediates of DCMHA's own core are not computed.")
+            # The override sees MultiHeadAttention's contract: one mask holding every
+            # constraint (the causal mask and the window folded in).
+            mask = dops.block_mask(dops.standardize_mask(mask), 0, T, 0, ops.shape(k)[1],
+                                   use_causal_mask=causal, sliding_window=c.sliding_window,
+                                   query_offset=offset)
+            token = _OVERRIDE_CALL.set((self, terms, offset))
+            try:
+                o, attention_scores = self._compute_attention(q, k, v, mask, training, scores)
+            finally:
+                _OVERRIDE_CALL.reset(token)
+            extras = {"attention_scores": attention_scores} if scores else {}
+        else:
+            o, extras = self._attention_core(
+                q, k, v, mask, training, scores, terms=terms, query_offset=offset,
+                use_causal_mask=causal, intermediates=intermediates)
+        o = ops.cast(o, self.compute_dtype)
+        if self._gate_dense is not None:
+            o = o * self._gate_dense(query)
+        y = layout.unflatten_output(self._output_dense(o), inputs[0])
+        if "attention_scores" in extras:
+            extras["attention_scores"] = layout.unflatten_scores(
+                extras["attention_scores"], inputs[0], inputs[2])
+        if out_of_range is not None:
+            y = ops.where(out_of_range, ops.cast(float("nan"), y.dtype), y)
+        if intermediates:
+            extras.update(query_dynamic=qdyn, key_dynamic=kdyn, q=q, k=k, v=v)
+        return y, extras, new_cache
+
+    # ---------------------------------------------------------- attention core
+    def _stage_terms(self, qdyn, kdyn):
+        """{stage: compose terms} of the enabled stages, from the dynamic weights of the
+        query side ``qdyn`` and the key side ``kdyn`` ({slot: {...}}) and the static mixes."""
+        return {stage: dops.stage_terms(stage, qdyn, kdyn, getattr(self, "static_" + stage))
+                for stage in ("pre", "post") if getattr(self._cfg, stage + "_compose")}
+
+    def _core_overridden(self):
+        """Whether a subclass replaces the core (``_compute_attention``)."""
+        return type(self)._compute_attention is not DCMHA._compute_attention
+
+    def _attention_core(self, q, k, v, mask, training, scores, *, terms, query_offset,
+                        use_causal_mask, intermediates=False, folded=False):
+        """DCMHA's core (``dcmha.ops.dcmha_attention``) on projected heads: (o (B, T, N,
+        d_v) float32, extras) with extras["attention_scores"] (B, N, T, S) when
+        ``scores``, and the intermediates when ``intermediates``.
+
+        ``terms``: {stage: compose terms}; ``query_offset``: the first query's position
+        (``cache_update_index``); ``use_causal_mask``: the causal flag left for the
+        core; ``folded``: ``mask`` already holds the causal mask and the window.
+        """
+        c = self._cfg
+        result = dops.dcmha_attention(
+            q, k, v, num_groups=c.G, pre=terms.get("pre"), post=terms.get("post"),
+            attention_mask=mask, use_causal_mask=use_causal_mask,
+            sliding_window=None if folded else c.sliding_window,
+            query_offset=query_offset, query_chunk_size=c.query_chunk_size,
+            dropout_rate=self.dropout, seed=self.seed_generator, training=bool(training),
+            return_attention_scores=scores, return_intermediates=intermediates,
+            implementation=self.implementation)
+        return result if (scores or intermediates) else (result, {})
+
+    def _compute_attention(self, query, key, value, attention_mask=None, training=None,
+                           return_attention_scores=False, use_causal_mask=False):
+        """The attention core on projected heads; the override point of
+        ``keras.layers.MultiHeadAttention``'s name and contract.
+
+        ``call`` projects the inputs, applies QK-norm and RoPE, reads and writes the
+        decoding cache and combines every mask, then calls this method with
+        (query, key, value, attention_mask, training, return_attention_scores). A
+        subclass that overrides it replaces the core (scores, composition, softmax,
+        P.V) and keeps the rest; calling ``super()._compute_attention`` inside the
+        override runs DCMHA's own composed core for the same call.
+
+        Args:
+            query: (B, T, N, d) float32, after QK-norm and RoPE.
+            key: (B, S, N_kv, d) float32 (with a cache: its S_max positions).
+            value: (B, S, N_kv, d_v) float32.
+            attention_mask: boolean, True = attend: (B|1, T, S), (B|1, N, T, S) for a
+                per-head mask, or None. In a call of an overriding subclass it holds
+                every constraint (explicit mask, input masks, causal mask with the
+                cache offset, sliding window), as in MultiHeadAttention.
+            training: dropout on (True) or off.
+            return_attention_scores: compute the scores (otherwise the second result
+                may be None).
+            use_causal_mask: also apply the causal mask here (for direct calls, as
+                MultiHeadAttention's method takes it; ``call`` folds it into
+                ``attention_mask`` for an override).
+
+        Returns:
+            (attention_output (B, T, N, d_v), attention_scores (B, N, T, S) or None).
+            With attention_axes over several axes, T and S are the flattened products
+            of the query's and the key's attention axes and B holds the other axes.
+
+        Called outside ``call`` (no per-call dynamic weights), it computes the
+        composition only when the layer needs no dynamic weights (static mixes or
+        no composition), else raises a ValueError.
+        """
+        current = _OVERRIDE_CALL.get()
+        if current is not None and current[0] is self:
+            # super()._compute_attention inside an override, during `call`: the mask
+            # already holds the causal mask and the window.
+            _, terms, offset = current
+            folded = True
+        else:
+            if self._slots:
+                raise ValueError(
+                    f"`_compute_attention` was called outside `call` on DCMHA layer "
+                    f"'{self.name}', whose composition needs dynamic weights computed from "
+                    "the unprojected inputs, which only `call` has. Call the layer, or use "
+                    "query_wise=False, key_wise=False for a composition of static mixes "
+                    "only.")
+            terms, offset, folded = self._stage_terms({}, {}), 0, False
+            query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
+            attention_mask = _mask_tensor(attention_mask)
+        o, extras = self._attention_core(
+            query, key, value, attention_mask, training, bool(return_attention_scores),
+            terms=terms, query_offset=offset, use_causal_mask=bool(use_causal_mask),
+            folded=folded)
+        return o, extras.get("attention_scores")
+
+    # ---------------------------------------------------------- decoding cache
+    def init_cache(self, batch, max_length, dtype=None):
+        """An all-zero decoding cache (``reference.cache_shapes`` layout).
+
+        "key" (B, S_max, N_kv, d) after QK-norm and RoPE, "value"
+        (B, S_max, N_kv, d_v) and, with C_k enabled key slots, "key_w"
+        (B, S_max, 2 C_k, G, R, M) (w1 then w2 of each slot, pre_key first) and
+        "key_dd" (B, S_max, C_k, G, M). dtype defaults to the compute dtype (the
+        dtype Keras casts float call arguments to).
+        """
+        return cache_lib.init_cache(self._cfg, batch, max_length, dtype or self.compute_dtype)
+
+    # ------------------------------------------------------- weights by name
+    def enable_lora(self, rank, lora_alpha=None, a_initializer="he_uniform",
+                    b_initializer="zeros", projections=("query", "value")):
+        """LoRA on the projections (``EinsumDense.enable_lora`` on each).
+
+        ``projections`` names the sublayers: any of "query", "key", "value",
+        "attention_output", "gate" (default: query and value, the common
+        choice for attention). Their kernels become non-trainable; the
+        composition weights stay trainable.
+        """
+        if not self.built:
+            raise ValueError(f"DCMHA layer '{self.name}' is not built yet: call it on inputs "
+                             "or call `build()` first, then `enable_lora()`.")
+        by_name = {layer.name: layer for layer in self._projections().values()}
+        names = (projections,) if isinstance(projections, str) else tuple(projections)
+        unknown = [n for n in names if n not in by_name]
+        if not names or unknown:
+            raise ValueError(f"`projections` must name sublayers among {sorted(by_name)}. "
+                             f"Received: projections={projections!r}")
+        for n in names:
+            by_name[n].enable_lora(rank, lora_alpha=lora_alpha, a_initializer=a_initializer,
+                                   b_initializer=b_initializer)
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Quantize the projections (``EinsumDense.quantize``); the composition stays float32."""
+        for layer in self._projections().values():
+            layer.quantize(mode, type_check=type_check, config=config)
+        self._is_quantized = True
+
+    def _spec_variables(self):
+        """Canonical spec name -> variable (None before ``build``)."""
+        if not self.built:
+            return None
+        return weights_lib.canonical_variables(
+            self._projections(), use_bias=self._cfg.use_bias,
+            static_mixes=dict(static_pre=self.static_pre, static_post=self.static_post),
+            norm_scales=(dict(query_norm_scale=self.query_norm_scale,
+                              key_norm_scale=self.key_norm_scale) if self._cfg.qk_norm else {}),
+            dynamic={"": self.dynamic_projection_layer,
+                     "query_": self.query_dynamic_projection,
+                     "key_": self.key_dynamic_projection})
+
+    def spec_weights(self):
+        """The weights under the spec's canonical names, as NumPy arrays.
+
+        Projection kernels are the ones the layer computes with (LoRA merged).
+        """
+        if not self.built:
+            raise ValueError(f"DCMHA layer '{self.name}' is not built yet: call it on inputs "
+                             "or call `build()` first.")
+        weights_lib.check_float_projections(self.name, self._projections().values(),
+                                            "spec_weights()")
+        values = {n: v.value for n, v in self._spec_variables().items()}
+        values.update({f"{n}_kernel": layer.kernel for n, layer in self._projections().items()})
+        return {n: np.asarray(keras.ops.convert_to_numpy(v)) for n, v in values.items()}
+
+    def load_spec_weights(self, weights):
+        """Set the weights from ``{canonical name: array}`` (all of them, or none).
+
+        An unbuilt layer is built from the kernel shapes. Raises ValueError
+        naming unknown or missing names, or a name with its expected and
+        received shape; nothing is assigned unless everything is valid. With
+        LoRA enabled the given kernels become the frozen ones and the LoRA
+        update restarts from zero (``lora_kernel_b`` = 0).
+        """
+        weights = weights_lib.as_arrays(weights)
+        if not self.built:
+            missing = [n for n in ("query_kernel", "key_kernel", "value_kernel")
+                       if n not in weights]
+            if missing:
+                raise ValueError(f"DCMHA layer '{self.name}' is not built and cannot be built "
+                                 f"from these weights: missing {missing}.")
+            self.build((None, None, weights["query_kernel"].shape[0]),
+                       (None, None, weights["value_kernel"].shape[0]),
+                       (None, None, weights["key_kernel"].shape[0]))
+        weights_lib.check_float_projections(self.name, self._projections().values(),
+                                            "load_spec_weights()")
+        variables = self._spec_variables()
+        weights = weights_lib.checked_spec_weights(self.name, weights, variables)
+        for n, v in variables.items():
+            v.assign(weights[n].astype(v.dtype))
+        for layer in self._projections().values():
+            if layer.lora_enabled:
+                layer.lora_kernel_b.assign(ops.zeros(layer.lora_kernel_b.shape))
+
+    @classmethod
+    def from_mha(cls, mha, **compose_options):
+        """A DCMHA with the weights of a built ``keras.layers.MultiHeadAttention``.
+
+        The attention arguments (heads, sizes, biases, gate, output shape,
+        attention axes, initializers, regularizers, dtype policy, ...) come
+        from ``mha.get_config()``; ``compose_options`` are the composition
+        arguments (``num_groups``, ``rank``, ``static_compose``, ...; the
+        composition is on by default) and ``name``. The composition starts at
+        exactly the identity, so the new layer's output equals the MHA's
+        until it is trained (the paper's route for adapting a pretrained
+        Transformer): the ``w2`` half of ``qkw``, ``dd`` and the static mixes
+        are zero, while the ``w1`` half of ``qkw`` and ``dw1`` keep their
+        random initialisation. As with LoRA's zero B, the first step moves
+        ``w2``, ``dd`` and the static mixes; ``w1`` and ``dw1`` follow.
+        """
+        config, theirs = weights_lib.mha_projections(mha, compose_options)
+        layer = cls(**{**config, **compose_options})
+        layer.build(**mha.get_build_config()["shapes_dict"])
+        for n, dense in layer._projections().items():
+            dense._kernel.assign(ops.cast(theirs[n].kernel, dense._kernel.dtype))
+            if dense.bias is not None:
+                dense.bias.assign(theirs[n].bias)
+        weights_lib.reset_composition(
+            (layer.dynamic_projection_layer, layer.query_dynamic_projection,
+             layer.key_dynamic_projection), (layer.static_pre, layer.static_post))
+        return layer
+
+    def load_own_variables(self, store):
+        """Load this layer's variables; also reads the 0.1.0 layout (``.keras``, ``.weights.h5``)."""
+        legacy = []
+        if self.built and not self.use_gate:        # 0.1.0 had no gate
+            legacy = weights_lib.legacy_variables(
+                [self._query_dense, self._key_dense, self._value_dense, self._output_dense],
+                use_bias=self._cfg.use_bias, static_mixes=(self.static_pre, self.static_post),
+                norm_scales=((self.query_norm_scale, self.key_norm_scale)
+                             if self._cfg.qk_norm else ()))
+        own = self._trainable_variables + self._non_trainable_variables
+        if len(legacy) > len(own) and weights_lib.load_legacy(
+                store, legacy, self._projections().values()):
+            return
+        super().load_own_variables(store)
 
     # ---------------------------------------------------------------- shapes
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
