@@ -21,7 +21,8 @@ import numpy as np
 
 from dcmha.spec import terms as spec_terms
 
-__all__ = ["AttentionCall", "describe", "check_positive_int", "shape_of", "block_rows"]
+__all__ = ["AttentionCall", "describe", "check_positive_int", "shape_of", "shapes_agree",
+           "block_rows"]
 
 
 def _size(s) -> Optional[int]:
@@ -38,8 +39,10 @@ def shape_of(x) -> tuple:
     return tuple(_size(s) for s in shape)
 
 
-def _fits(shape, expected) -> bool:
-    """shape matches expected; None in either (unknown / free) matches anything."""
+def shapes_agree(shape, expected) -> bool:
+    """Whether ``shape`` and ``expected`` (tuples of sizes) have the same rank and the same
+    size on every axis where both are known: None in either (unknown, or free to be
+    anything) agrees with any size. The one shape-fit rule of the package's checks."""
     return len(shape) == len(expected) and all(
         a is None or b is None or a == b for a, b in zip(shape, expected))
 
@@ -55,7 +58,10 @@ def _is_int(value) -> bool:
 
 
 def check_positive_int(name: str, value, allow_none: bool = False) -> None:
-    """``value`` is a positive int (or None when allowed), else a ValueError naming ``name``."""
+    """``value`` is a positive int (a Python or NumPy integer, not a bool), or None when
+    ``allow_none``; else ``ValueError("`name` must be a positive integer. Received:
+    name=value")`` ("None or a positive integer" when ``allow_none``). The one
+    positive-integer check of the package's arguments."""
     if value is None and allow_none:
         return
     if not _is_int(value) or value <= 0:
@@ -97,13 +103,13 @@ def _check_qkv(q, k, v):
             raise ValueError(f"`{name}` must have rank 4 {letters}. "
                              f"Received: {name}.shape={shape_of(x)}")
     qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
-    if not _fits(qs[3:], ks[3:]):
+    if not shapes_agree(qs[3:], ks[3:]):
         raise ValueError("`q` and `k` must have the same head size d. "
                          f"Received: q.shape={qs}, k.shape={ks}")
-    if not _fits(ks[:3], vs[:3]):
+    if not shapes_agree(ks[:3], vs[:3]):
         raise ValueError("`k` and `v` must have the same batch, length and heads (B, S, N_kv). "
                          f"Received: k.shape={ks}, v.shape={vs}")
-    if not _fits(qs[:1], ks[:1]):
+    if not shapes_agree(qs[:1], ks[:1]):
         raise ValueError("`q` and `k` must have the same batch size. "
                          f"Received: q.shape={qs}, k.shape={ks}")
     if ks[2] == 0 or qs[2] == 0:
@@ -168,7 +174,7 @@ def _check_term_shapes(stage: str, shapes: tuple, dims: tuple) -> Optional[int]:
             continue
         shape = terms[term.name]
         expected = spec_terms.term_shape(term.name, sizes)       # R free until a term sets it
-        if not _fits(shape, expected):
+        if not shapes_agree(shape, expected):
             free = {i: letter for i, letter in enumerate(term.shape)
                     if expected[i] is None and letter == "R"}
             raise ValueError(f"`{label(term.name)}` must have shape "

@@ -69,9 +69,9 @@ def write_release_dir(directory, state_dict, config=TINY_CONFIG, *, format="safe
 
 def rounded(state_dict, dtype):
     """The float32 values a `dtype` checkpoint of `state_dict` holds."""
-    from dcmha.checkpoints import _bfloat16_to_float32, _float32_to_bfloat16
+    from dcmha.checkpoints.files import bfloat16_to_float32, float32_to_bfloat16
 
     if dtype == "bfloat16":
-        return {k: _bfloat16_to_float32(_float32_to_bfloat16(v)).reshape(v.shape)
+        return {k: bfloat16_to_float32(float32_to_bfloat16(v)).reshape(v.shape)
                 for k, v in state_dict.items()}
     return {k: np.asarray(v).astype(dtype).astype(np.float32) for k, v in state_dict.items()}

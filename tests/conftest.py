@@ -85,19 +85,17 @@ def call_layer():
 
 @pytest.fixture
 def chosen(monkeypatch):
-    """The names of the implementations ``dcmha.ops.select_implementation`` picks during the
-    test, in call order (a spy: the picks themselves are unchanged). It replaces the name
-    where ``dcmha_attention`` reads it (``dcmha.ops.dispatch``) and on ``dcmha.ops``."""
-    from dcmha import ops as dops
-    from dcmha.ops import dispatch
+    """The names of the implementations ``dcmha.registry.select`` picks during the test, in
+    call order (a spy: the picks themselves are unchanged). ``dcmha_attention`` reads
+    ``select`` from the registry module at every call, so the spy replaces it there."""
+    from dcmha import registry
     names = []
-    real = dispatch.select_implementation
+    real = registry.select
 
     def spy(implementation, call):
         name, fn = real(implementation, call)
         names.append(name)
         return name, fn
 
-    monkeypatch.setattr(dispatch, "select_implementation", spy)
-    monkeypatch.setattr(dops, "select_implementation", spy)
+    monkeypatch.setattr(registry, "select", spy)
     return names

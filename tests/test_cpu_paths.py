@@ -25,7 +25,6 @@ BACKEND, PATH, core = kernel_cases.cpu_path_or_skip()
 
 from dcmha import DCMHA  # noqa: E402
 from dcmha import call as dcall  # noqa: E402
-from dcmha import ops as dops  # noqa: E402
 from dcmha import registry  # noqa: E402
 from kernel_cases import assert_close, make_problem, spec_result  # noqa: E402
 from keras import ops  # noqa: E402
@@ -162,8 +161,8 @@ def _call(T, S, **extra):
 
 @needs_kernel
 def test_auto_dispatch_rules():
-    assert dops.select_implementation("auto", _call(64, 128))[0] == PATH
-    assert dops.select_implementation("auto", _call(16, 16))[0] == "ops"       # small
+    assert registry.select("auto", _call(64, 128))[0] == PATH
+    assert registry.select("auto", _call(16, 16))[0] == "ops"       # small
     # What the registration declares it lacks: refused by dcmha.registry.
     for extra, reason in [
             (dict(return_attention_scores=True),
@@ -179,9 +178,9 @@ def test_auto_dispatch_rules():
             (dict(query_chunk_size=8, q=ops.zeros((2, 8 * 65, 4, 8))),
              "more than 64 query blocks (65); the 'ops' core loops over them")]:
         call = _call(64, 128, **extra)
-        assert dops.select_implementation("auto", call)[0] == "ops"      # eager: no "xla"
+        assert registry.select("auto", call)[0] == "ops"      # eager: no "xla"
         with pytest.raises(ValueError) as e:
-            dops.select_implementation(PATH, call)
+            registry.select(PATH, call)
         assert str(e.value) == f"`implementation={PATH!r}` cannot run this call: {reason}"
         assert (PATH, reason) in registry.explain(call)
 
@@ -189,7 +188,7 @@ def test_auto_dispatch_rules():
 @needs_kernel
 def test_auto_falls_back_when_the_kernel_is_off(monkeypatch):
     monkeypatch.setenv("DCMHA_CPU_KERNEL", "0")
-    assert dops.select_implementation("auto", _call(64, 128))[0] == "ops"
+    assert registry.select("auto", _call(64, 128))[0] == "ops"
 
 
 @needs_kernel
@@ -203,7 +202,7 @@ def test_tf_cpu_leaves_xla_clusters_to_the_xla_path():
     def traced(q):
         call = _call(64, 128, q=q)
         seen["reason"] = keras_core.unsupported(call)
-        seen["auto"] = dops.select_implementation("auto", call)[0]
+        seen["auto"] = registry.select("auto", call)[0]
         return q
 
     traced(ops.zeros((2, 64, 4, 8)))

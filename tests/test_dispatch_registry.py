@@ -174,7 +174,7 @@ def test_an_entry_point_that_fails_to_load_warns_once_and_is_listed(monkeypatch)
                                 "'dcmha_test_no_such_package'"}
     # The rest of the table is whole, and "auto" works.
     assert set(BUILT_INS) <= set(table) and "broken" not in table
-    assert dops.select_implementation("auto", describe())[0] in table
+    assert registry.select("auto", describe())[0] in table
 
 
 @pytest.mark.parametrize("case", ["wrong_object", "shadows_ops", "third_party"])
@@ -299,7 +299,7 @@ def test_a_registered_implementation_runs_in_the_layer(toy, reference_case, call
     with pytest.raises(ValueError, match=exact(message)):
         DCMHA(4, 8, implementation="toy")
     with pytest.raises(ValueError, match=exact(message)):
-        dops.select_implementation("toy", describe())
+        registry.select("toy", describe())
 
 
 # ---------------------------------------------------------------------------
@@ -312,7 +312,7 @@ def test_a_forced_name_on_another_backend_is_refused(toy):
     message = (f"`implementation='toy_elsewhere'` runs on the {OTHER_BACKEND!r} Keras backend. "
                f"Received: the active Keras backend is {BACKEND!r}")
     with pytest.raises(ValueError, match=exact(message)):
-        dops.select_implementation("toy_elsewhere", describe())
+        registry.select("toy_elsewhere", describe())
     x = np.zeros((1, SMALL, 2, 4), np.float32)
     with pytest.raises(ValueError, match=exact(message)):
         dops.dcmha_attention(x, x, x, implementation="toy_elsewhere")
@@ -329,23 +329,23 @@ def test_a_forced_name_is_refused_for_its_device_and_capabilities(toy, monkeypat
     with pytest.raises(ValueError, match=exact(
             "`implementation='toy_gpu'` cannot run this call: runs on gpu, not on cpu (on CPU "
             "set DCMHA_TEST_TOY_ON_CPU=1 before the framework is imported)")):
-        dops.select_implementation("toy_gpu", describe())
+        registry.select("toy_gpu", describe())
     monkeypatch.setenv("DCMHA_TEST_TOY_ON_CPU", "1")
     mask = ops.convert_to_tensor(np.ones((1, 2, SMALL, SMALL), bool))
     with pytest.raises(ValueError, match=exact(
             "`implementation='toy_gpu'` cannot run this call: the call needs the attention "
             "scores (return_attention_scores=True), which it does not return; a per-head "
             "(B, N, T, S) attention mask, which it does not take")):
-        dops.select_implementation("toy_gpu", describe(attention_mask=mask,
+        registry.select("toy_gpu", describe(attention_mask=mask,
                                                        return_attention_scores=True))
     assert module.seen == []                         # refused before the module runs
     # The module's own rule comes last, word for word.
     module.answers["unsupported"] = "needs a toy"
     with pytest.raises(ValueError, match=exact(
             "`implementation='toy_gpu'` cannot run this call: needs a toy")):
-        dops.select_implementation("toy_gpu", describe())
+        registry.select("toy_gpu", describe())
     module.answers["unsupported"] = None
-    assert dops.select_implementation("toy_gpu", describe()) == ("toy_gpu", module.attention)
+    assert registry.select("toy_gpu", describe()) == ("toy_gpu", module.attention)
     # A forced name does not ask preferred(): that is for "auto".
     assert [kind for kind, _ in module.seen] == ["unsupported", "unsupported"]
 
@@ -365,11 +365,11 @@ def test_an_implementation_is_refused_a_compose_term_it_does_not_declare(toy):
               "declares ['kdd', 'kw1', 'kw2', 'qdd', 'qw1', 'qw2'])")
     with pytest.raises(ValueError, match=exact(
             f"`implementation='toy_nostatic'` cannot run this call: {reason}")):
-        dops.select_implementation("toy_nostatic", call)
+        registry.select("toy_nostatic", call)
     assert ("toy_nostatic", reason) in registry.explain(call)
     assert module.seen == []
     # Without the term it is the first choice.
-    assert dops.select_implementation("auto", describe())[0] == "toy_nostatic"
+    assert registry.select("auto", describe())[0] == "toy_nostatic"
 
 
 def test_a_forced_name_whose_module_does_not_import_is_refused(toy):
@@ -378,7 +378,7 @@ def test_a_forced_name_whose_module_does_not_import_is_refused(toy):
     with pytest.raises(ValueError, match=exact(
             "`implementation='toy_missing'` is not available here: No module named "
             "'dcmha_test_no_such_module'")):
-        dops.select_implementation("toy_missing", describe())
+        registry.select("toy_missing", describe())
     register("toy_missing_auto", module="dcmha_test_no_such_module", auto_devices={"cpu"},
              priority=1000)
     assert registry.explain(describe())[0] == (
@@ -424,14 +424,14 @@ def test_explain_lists_each_candidate_with_its_reason(size):
     rows = registry.explain(call)
     assert rows == expected_rows(size)
     # select takes the row explain ends on; explain_implementation describes the call itself.
-    assert dops.select_implementation("auto", call)[0] == rows[-1][0]
+    assert registry.select("auto", call)[0] == rows[-1][0]
     x = ops.convert_to_tensor(np.zeros((1, size, 2, 4), np.float32))
     assert dops.explain_implementation(x, x, x) == rows
 
 
 def test_select_logs_its_choice(caplog):
     with caplog.at_level(logging.DEBUG, logger="dcmha.dispatch"):
-        dops.select_implementation("auto", describe())
+        registry.select("auto", describe())
     got = [r.getMessage() for r in caplog.records if r.name == "dcmha.dispatch"]
     assert got == [f"dcmha: 'auto' passes over {name!r}: {reason}"
                    for name, reason in expected_rows(SMALL)[:-1]]
@@ -461,7 +461,7 @@ def test_auto_checks_the_declared_rules_before_the_module(toy):
     # Ruled out by the declared facts: the module is never asked (a real path would build
     # its kernel in unsupported()), neither by select nor by explain nor by the layer.
     small, dropout = describe(), describe(T=LARGE, training=True, dropout_rate=0.5)
-    assert dops.select_implementation("auto", small)[0] != "toy"
+    assert registry.select("auto", small)[0] != "toy"
     assert registry.explain(small)[:2] == [("toy", AUTO_SMALL.format(SMALL * SMALL)),
                                            ("toy_gpu", AUTO_GPU_ONLY)]
     assert registry.explain(dropout)[0] == (
@@ -482,5 +482,5 @@ def test_auto_checks_the_declared_rules_before_the_module(toy):
     module.seen.clear()
     module.answers.update(unsupported=None)
     assert registry.explain(large) == [("toy", None)]
-    assert dops.select_implementation("auto", large) == ("toy", module.attention)
+    assert registry.select("auto", large) == ("toy", module.attention)
     assert module.seen == [("preferred", LARGE), ("unsupported", LARGE)] * 2

@@ -462,7 +462,6 @@ def _call(q, k, v, **over):
 
 
 def test_registry_contract():
-    from dcmha import ops as dops
     from dcmha import registry
     impl = registry.get("torch")
     assert (impl.backend, impl.module) == ("torch", "dcmha.backends.torch_native.keras_core")
@@ -477,7 +476,7 @@ def test_registry_contract():
         assert call.needs & impl.lacks == {need}
         with pytest.raises(ValueError, match="^`implementation='torch'` cannot run this call: "
                                              "the call needs "):
-            dops.select_implementation("torch", call)
+            registry.select("torch", call)
     assert _call(*small, dropout_rate=0.1, training=False).needs == frozenset()
     assert keras_core.unsupported(_call(*small, query_offset=torch.tensor(3))) is None
     assert keras_core._offset(torch.tensor(3)) == 3
@@ -489,8 +488,8 @@ def test_registry_contract():
         _call(*small, query_offset=1.5)
     rows = registry.explain(_call(*small))               # T * S below the threshold
     assert ("torch", "'auto' takes it from T * S >= 8192; this call has T * S = 64") in rows
-    assert dops.select_implementation("auto", _call(*big))[0] in ("torch", "triton")
-    assert dops.select_implementation("auto", _call(*small))[0] == "ops"
+    assert registry.select("auto", _call(*big))[0] in ("torch", "triton")
+    assert registry.select("auto", _call(*small))[0] == "ops"
 
 
 def test_core_matches_ops_core():

@@ -54,12 +54,6 @@ __all__ = ["BlockSizes", "dcmha_attention", "dcmha_attention_call", "dcmha_atten
 
 #: Names of the compose terms a ``pre`` / ``post`` dict may hold (``dcmha.spec.terms``).
 TERMS = spec_terms.TERM_NAMES
-_STAGES = ("pre", "post")
-# The masked-score fill of the row maximum, also the running max's start
-# (``dcmha.spec.terms.MASKED_SCORE``): finite, so a row that is masked so far
-# gives exp(0) * 0 corrections instead of inf - inf. Masked probabilities are
-# zeroed by where(), not by exp() of the fill.
-_MASKED = spec_terms.MASKED_SCORE
 # tl.dot needs every dimension >= 16 on a GPU.
 _MIN_GPU_DIM = 16
 #: The most elements of one (heads, rows, columns) tile of a compiled program (``_fitted``).

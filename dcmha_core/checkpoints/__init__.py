@@ -13,9 +13,6 @@ Every file is read as untrusted input: a malformed one raises a ValueError (an O
 when it cannot be read) naming the file and what is wrong in it, after bounded work.
 """
 
-# The bfloat16 conversions (used by the tests) keep their names of the single-module layout.
-from dcmha.checkpoints.files import bfloat16_to_float32 as _bfloat16_to_float32  # noqa: F401
-from dcmha.checkpoints.files import float32_to_bfloat16 as _float32_to_bfloat16  # noqa: F401
 from dcmha.checkpoints.convert import (OFFICIAL_DEFAULTS, assign_official_state_dict,
                                        from_official_state_dict, official_config_to_kwargs,
                                        official_intermediate_size, official_model_arguments,

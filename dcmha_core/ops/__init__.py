@@ -34,25 +34,25 @@ cache, and blocks skip the keys a causal mask or window hides.
 
 A module-level setting or function is read by the submodule that defines it: to
 change ``MAX_UNROLLED_CHUNKS`` or replace ``_attention_one_query``, set it on
-``dcmha.ops.plain_core`` (``select_implementation``: ``dcmha.ops.dispatch``).
+``dcmha.ops.plain_core``. ``dcmha_attention`` picks its implementation with
+``dcmha.registry.select`` (read from the registry at every call).
 """
 
 from dcmha.ops.composition import (LOW_RANK_TERMS, compose, compose_matrices, decode_compose,
                                    kernel_stages, query_compose_matrix, stage_terms)
 from dcmha.ops.dispatch import (IMPLEMENTATION, core_result, dcmha_attention,
-                                explain_implementation, resolve_implementation,
-                                select_implementation)
-from dcmha.ops.dynamic import (W1_NORM_EPS, dynamic_weights, fused_query_projection,
-                               plain_dynamic_weights)
+                                explain_implementation)
+from dcmha.ops.dynamic import dynamic_weights, fused_query_projection, plain_dynamic_weights
 from dcmha.ops.masks import block_mask, key_range, standardize_mask
 from dcmha.ops.plain_core import (MAX_UNROLLED_CHUNKS, attention, auto_query_chunk_size,
                                   join_blocks, one_query_probs, split_blocks)
-from dcmha.ops.tensors import (QK_NORM_EPS, arange_int32, as_dtype, cache_writer,
-                               dtype_name, rms_normalize, rope, stack, unstack, write_slice)
+from dcmha.ops.tensors import (arange_int32, as_dtype, cache_writer, dtype_name, rms_normalize,
+                               rope, stack, unstack, write_slice)
+# The spec's epsilons, under the names the seam and the layer read from here.
+from dcmha.spec.reference import QK_NORM_EPS, W1_NORM_EPS
 
-__all__ = ["dcmha_attention", "explain_implementation", "select_implementation",
-           "resolve_implementation", "core_result", "IMPLEMENTATION", "attention",
-           "compose", "compose_matrices", "query_compose_matrix", "decode_compose",
+__all__ = ["dcmha_attention", "explain_implementation", "core_result", "IMPLEMENTATION",
+           "attention", "compose", "compose_matrices", "query_compose_matrix", "decode_compose",
            "kernel_stages", "stage_terms", "LOW_RANK_TERMS", "block_mask", "standardize_mask",
            "key_range", "dynamic_weights", "fused_query_projection", "plain_dynamic_weights",
            "one_query_probs", "auto_query_chunk_size", "split_blocks", "join_blocks",

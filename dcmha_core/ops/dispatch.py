@@ -14,11 +14,6 @@ from dcmha.ops.tensors import as_dtype
 IMPLEMENTATION = registry.OPS
 
 
-def resolve_implementation(implementation):
-    """Validate an ``implementation`` name ("auto" or a registered one)."""
-    return registry.resolve(implementation)
-
-
 def core_result(result, return_attention_scores):
     """A fast path's kernel result as the cores return it: (o, extras).
 
@@ -28,11 +23,6 @@ def core_result(result, return_attention_scores):
         o, scores = result
         return o, {"attention_scores": scores}
     return result, {}
-
-
-def select_implementation(implementation, call):
-    """(name, attention function) for ``call`` (see ``dcmha.registry.select``)."""
-    return registry.select(implementation, call)
 
 
 def explain_implementation(q, k, v, **kwargs):
@@ -71,13 +61,13 @@ def dcmha_attention(q, k, v, *, num_groups=1, pre=None, post=None, attention_mas
         return_intermediates: also return "scores", "pre_composed", "probs"
             (B, N, T, S) (for tests and conformance).
         implementation: "auto" or a registered implementation's name
-            (``dcmha.registry``; see ``select_implementation``).
+            (``dcmha.registry``; see ``dcmha.registry.select``).
 
     Returns:
         o (B, T, N, d_v) float32, or (o, extras) when scores or intermediates are
         asked for (a dict with "attention_scores" and/or the intermediates).
     """
-    resolve_implementation(implementation)
+    registry.resolve(implementation)
     call = dcall.describe(
         q, k, v, num_groups=num_groups, pre=pre, post=post, attention_mask=attention_mask,
         use_causal_mask=use_causal_mask, sliding_window=sliding_window,
@@ -89,7 +79,7 @@ def dcmha_attention(q, k, v, *, num_groups=1, pre=None, post=None, attention_mas
     call = dataclasses.replace(call, **{
         name: {n: as_dtype(w, "float32") for n, w in terms.items()}
         for name, terms in call.stages.items()})
-    _, core = select_implementation(implementation, call)
+    _, core = registry.select(implementation, call)
     o, extras = core(call)
     if return_attention_scores or return_intermediates:
         return o, extras

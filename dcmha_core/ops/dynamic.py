@@ -12,14 +12,9 @@ import keras
 from keras import ops
 
 from dcmha import backend as seam
-from dcmha.call import _fits  # shape matches; None (unknown / free) matches anything
-from dcmha.call import check_positive_int as _check_positive_int
-from dcmha.call import shape_of as _shape
+from dcmha.call import check_positive_int, shape_of, shapes_agree
 from dcmha.ops.tensors import as_dtype, rms_normalize
-
-W1_NORM_EPS = 1e-6
-
-_ALL_SLOTS = ("pre_query", "pre_key", "post_query", "post_key")
+from dcmha.spec.reference import ALL_SLOTS, W1_NORM_EPS
 
 
 def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approximate=True,
@@ -103,31 +98,31 @@ def plain_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
 
 def _check_dynamic_args(x, dw1, qkw, dd, slots, rank):
     if len(x.shape) != 3:
-        raise ValueError(f"`x` must have rank 3 (B, L, D). Received: x.shape={_shape(x)}")
+        raise ValueError(f"`x` must have rank 3 (B, L, D). Received: x.shape={shape_of(x)}")
     if (isinstance(slots, str) or not isinstance(slots, (tuple, list)) or not slots
-            or any(sl not in _ALL_SLOTS for sl in slots)):
-        raise ValueError(f"`slots` must be a sequence of slot names from {_ALL_SLOTS}. "
+            or any(sl not in ALL_SLOTS for sl in slots)):
+        raise ValueError(f"`slots` must be a sequence of slot names from {ALL_SLOTS}. "
                          f"Received: slots={slots!r}")
-    _check_positive_int("rank", rank)
+    check_positive_int("rank", rank)
     if (dw1 is None) != (qkw is None):
-        got = lambda n, w: f"{n}=None" if w is None else f"{n}.shape={_shape(w)}"
+        got = lambda n, w: f"{n}=None" if w is None else f"{n}.shape={shape_of(w)}"
         raise ValueError("`dw1` and `qkw` must be given together. "
                          f"Received: {got('dw1', dw1)}, {got('qkw', qkw)}")
     D, C = x.shape[-1], len(slots)
     if dw1 is not None:
-        if not _fits(_shape(dw1), (D, None, C, None)):
+        if not shapes_agree(shape_of(dw1), (D, None, C, None)):
             raise ValueError(f"`dw1` must have shape (D, G, C, K) = ({D}, G, {C}, K) (D: the "
                              "width of `x`, C: the number of slots). "
-                             f"Received: dw1.shape={_shape(dw1)}")
+                             f"Received: dw1.shape={shape_of(dw1)}")
         G, K = dw1.shape[1], dw1.shape[3]
-        if not _fits(_shape(qkw), (G, C, K, 2 * rank, None)):
+        if not shapes_agree(shape_of(qkw), (G, C, K, 2 * rank, None)):
             raise ValueError(f"`qkw` must have shape (G, C, K, 2R, M) = ({G}, {C}, {K}, "
-                             f"{2 * rank}, M). Received: qkw.shape={_shape(qkw)}")
+                             f"{2 * rank}, M). Received: qkw.shape={shape_of(qkw)}")
     if dd is not None:
         G = "G" if dw1 is None else dw1.shape[1]
-        shape = _shape(dd)
-        if (len(shape) != 3 or not _fits(shape[:1], (D,))
-                or (dw1 is not None and not _fits(shape[1:2], (G,)))
+        shape = shape_of(dd)
+        if (len(shape) != 3 or not shapes_agree(shape[:1], (D,))
+                or (dw1 is not None and not shapes_agree(shape[1:2], (G,)))
                 or (shape[2] is not None and shape[2] % C)):
             raise ValueError(f"`dd` must have shape (D, G, C*M) = ({D}, {G}, {C}*M). "
                              f"Received: dd.shape={shape}")

@@ -20,18 +20,15 @@ def block_mask(attention_mask, t0, t1, s0, s1, *, use_causal_mask, sliding_windo
     """The boolean mask of queries [t0, t1) x keys [s0, s1): (B or 1, t, s), or
     (B or 1, N, t, s) with a per-head ``attention_mask``, or None.
 
-    Query t sits at absolute position ``query_offset + t``, key s at s.
+    Query t sits at absolute position ``query_offset + t``, key s at s; which keys a
+    query sees is the spec's one position rule (``dcmha.spec.terms.visible``), applied
+    here to int32 index tensors.
     """
     mask = None
     if use_causal_mask or sliding_window is not None:
-        t = arange_int32(t0, t1)[:, None] + ops.cast(query_offset, "int32")
-        s = arange_int32(s0, s1)[None, :]
-        if use_causal_mask:
-            mask = ops.less_equal(s, t)
-        if sliding_window is not None:
-            band = ops.less(ops.abs(t - s), sliding_window)
-            mask = band if mask is None else ops.logical_and(mask, band)
-        mask = mask[None]
+        mask = spec_terms.visible(arange_int32(t0, t1)[:, None], arange_int32(s0, s1)[None, :],
+                                  causal=bool(use_causal_mask), window=sliding_window,
+                                  offset=ops.cast(query_offset, "int32"))[None]
     if attention_mask is not None:
         m = _slice_mask(attention_mask, t0, t1, s0, s1)
         if mask is not None and len(m.shape) == 4:

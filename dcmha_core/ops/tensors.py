@@ -11,10 +11,7 @@ import keras
 from keras import ops
 
 from dcmha import backend as seam
-from dcmha.call import _fits  # shape matches; None (unknown / free) matches anything
-from dcmha.call import shape_of as _shape
-
-QK_NORM_EPS = 1e-6
+from dcmha.call import shape_of, shapes_agree
 
 
 def rms_normalize(x, eps, scale=None):
@@ -101,10 +98,10 @@ def rope(x, positions, max_wavelength):
     """
     if len(x.shape) != 4 or (x.shape[-1] is not None and x.shape[-1] % 2):
         raise ValueError("`x` must have rank 4 (B, L, H, d) with an even d. "
-                         f"Received: x.shape={_shape(x)}")
-    if len(positions.shape) != 1 or not _fits(_shape(positions), (x.shape[1],)):
+                         f"Received: x.shape={shape_of(x)}")
+    if len(positions.shape) != 1 or not shapes_agree(shape_of(positions), (x.shape[1],)):
         raise ValueError(f"`positions` must have shape (L,) = ({x.shape[1]},). "
-                         f"Received: positions.shape={_shape(positions)}")
+                         f"Received: positions.shape={shape_of(positions)}")
     d = x.shape[-1]
     half = d // 2
     inv_freq = ops.power(float(max_wavelength),
