@@ -37,10 +37,11 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
+from dcmha import backend as seam
 from dcmha.spec import terms as spec_terms
 
 __all__ = ["CAPABILITIES", "ENTRY_POINT_GROUP", "Implementation", "implementations", "get",
-           "OPS", "register", "unregister", "select", "explain", "resolve", "current_device",
+           "register", "unregister", "select", "explain", "resolve", "current_device",
            "load_errors"]
 
 _log = logging.getLogger("dcmha.dispatch")
@@ -140,16 +141,6 @@ class Implementation:
         return self.backend in ("any", backend)
 
 
-#: The plain ``keras.ops`` core (``dcmha.ops``; entry point ``ops``, which loads it as
-#: ``dcmha.ops.IMPLEMENTATION``): every backend, device and capability, and every compose
-#: term (its arithmetic is read from the spec). Declared here, so that the table has it
-#: even where the entry points are missing, without importing ``dcmha.ops``.
-OPS = Implementation(
-    name="ops", backend="any", module="dcmha.ops", devices=frozenset({"cpu", "gpu", "tpu"}),
-    terms=frozenset(spec_terms.TERM_NAMES),
-    description="the plain keras.ops core (every backend, every capability)")
-
-
 # ---------------------------------------------------------------------------
 # The table: entry points, loaded once, plus in-process registrations
 # ---------------------------------------------------------------------------
@@ -188,9 +179,6 @@ def _load_table() -> Dict[str, Implementation]:
             warnings.warn(f"dcmha: {_errors[ep.name]}", RuntimeWarning, stacklevel=3)
             continue
         table[impl.name] = impl
-    if "ops" not in table:
-        # An install whose metadata predates the registry (pip install -e . not rerun).
-        table["ops"] = OPS
     return table
 
 
@@ -244,24 +232,8 @@ def resolve(implementation) -> str:
 # ---------------------------------------------------------------------------
 
 def current_device(call) -> str:
-    """Where the call runs: "cpu", "gpu" or "tpu" (jax's platform)."""
-    import keras
-    backend = keras.backend.backend()
-    q = call.q
-    if backend == "torch":
-        dev = getattr(getattr(q, "device", None), "type", "cpu")
-        return "cpu" if dev in ("cpu", "meta") else "gpu"
-    if backend == "jax":
-        import jax
-        platform = jax.default_backend()
-        return platform if platform in _DEVICES else "gpu"
-    if backend == "tensorflow":
-        import tensorflow as tf
-        device = getattr(q, "device", "") or ""
-        if "GPU" in device.upper():
-            return "gpu"
-        return "gpu" if not device and tf.config.list_logical_devices("GPU") else "cpu"
-    return "cpu"
+    """Where the call runs: "cpu", "gpu" or "tpu" (the framework seam's ``device`` of q)."""
+    return seam.device(call.q)
 
 
 def _env_set(name: str, value: str) -> bool:
@@ -357,6 +329,16 @@ def explain(call) -> List[Tuple[str, Optional[str]]]:
     return rows
 
 
+def _plain(table) -> Callable:
+    """The plain core's ``attention``: the implementation "ops", registered by its entry
+    point like every other path."""
+    if "ops" not in table:
+        raise RuntimeError(f"The entry point 'ops' of {ENTRY_POINT_GROUP!r} is missing: the "
+                           "installed metadata is not this dcmha's. Reinstall dcmha "
+                           "(pip install -e . in a checkout).")
+    return table["ops"].load().attention
+
+
 def select(implementation: str, call) -> Tuple[str, Callable]:
     """(name, attention function) for ``call`` (a ``dcmha.call.AttentionCall``).
 
@@ -370,7 +352,7 @@ def select(implementation: str, call) -> Tuple[str, Callable]:
     backend = keras.backend.backend()
     table = implementations()
     if backend == "torch" and getattr(getattr(call.q, "device", None), "type", None) == "meta":
-        return "ops", table["ops"].load().attention
+        return "ops", _plain(table)
     if implementation == "auto":
         device = current_device(call)
         for impl in _candidates(backend):
@@ -379,7 +361,7 @@ def select(implementation: str, call) -> Tuple[str, Callable]:
                 _log.debug("dcmha: 'auto' takes %r", impl.name)
                 return impl.name, module.attention
             _log.debug("dcmha: 'auto' passes over %r: %s", impl.name, problem)
-        return "ops", table["ops"].load().attention
+        return "ops", _plain(table)
     impl = table[implementation]
     if not impl.runs_on(backend):
         raise ValueError(f"`implementation={implementation!r}` runs on the {impl.backend!r} "
@@ -396,3 +378,8 @@ def select(implementation: str, call) -> Tuple[str, Callable]:
     if problem is not None:
         raise ValueError(f"`implementation={implementation!r}` cannot run this call: {problem}")
     return implementation, module.attention
+
+
+# The framework seam reads what fast paths provide (``dcmha.backend.provide``); the table's
+# first load imports their packages, which provide it: the seam's first lookup runs it.
+seam.set_finder(implementations)

@@ -11,10 +11,10 @@ core's loops) and an unavailable kernel (no C / C++ compiler,
 ``DCMHA_CPU_KERNEL=0``), checked last since it builds the kernel.
 
 Under a ``keras.distribution`` mesh the call runs once per shard
-(``dcmha.distribution.partitioned``: ``jax.shard_map``): the batch over the batch axis,
+(``dcmha.partition.partitioned``: ``jax.shard_map``): the batch over the batch axis,
 whole composition groups over the model axis, so the kernel's custom call needs no
 collective. A layout it cannot serve that way (a group straddling devices) is refused
-by ``unsupported`` with the reason (``dcmha.distribution.partition_problem``), and
+by ``unsupported`` with the reason (``dcmha.partition.partition_problem``), and
 ``"auto"`` takes the "ops" core.
 
 ``query_chunk_size``, when given, is the block size; otherwise
@@ -28,14 +28,14 @@ from .. import cpu_blocks
 
 def unsupported(call):
     """None if this path can run ``call``, else the reason why not."""
-    from dcmha import distribution
+    from dcmha import partition
     from . import dcmha_jax_cpu
-    return distribution.partition_problem(call) or cpu_blocks.unsupported(call, dcmha_jax_cpu)
+    return partition.partition_problem(call) or cpu_blocks.unsupported(call, dcmha_jax_cpu)
 
 
 def attention(call):
     """(o, {}) for a validated ``dcmha.call.AttentionCall`` (see the module doc)."""
-    from dcmha import distribution
+    from dcmha import partition
     from . import dcmha_jax_cpu
-    return distribution.partitioned(
+    return partition.partitioned(
         call, lambda shard: cpu_blocks.keras_attention(dcmha_jax_cpu, shard))

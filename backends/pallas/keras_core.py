@@ -24,7 +24,7 @@ Rules:
   CPU: interpret mode is for tests.
 
 Under a ``keras.distribution`` mesh the kernels run once per shard
-(``dcmha.distribution.partitioned``: ``jax.shard_map``): the batch over the batch
+(``dcmha.partition.partitioned``: ``jax.shard_map``): the batch over the batch
 axis, whole composition groups with their heads over the model axis, so the custom
 call needs no collective; a layout that would split a group is refused by
 ``unsupported`` with the reason, and ``"auto"`` takes the "ops" core.
@@ -44,12 +44,12 @@ from __future__ import annotations
 
 def unsupported(call):
     """Why the Pallas kernels cannot run ``call`` (a str), or None when they can."""
-    from dcmha import distribution
+    from dcmha import partition
     from dcmha.backends import pallas as pb
 
     if not pb.is_available():
         return "needs jax.experimental.pallas, which does not import here"
-    return distribution.partition_problem(call)
+    return partition.partition_problem(call)
 
 
 def attention(call):
@@ -60,8 +60,8 @@ def attention(call):
     (B, N, T, S) float32} with ``return_attention_scores``, else {}.
     ``query_chunk_size`` is ignored: the kernels tile queries and keys themselves.
     """
-    from dcmha import distribution
-    return distribution.partitioned(call, _attention)
+    from dcmha import partition
+    return partition.partitioned(call, _attention)
 
 
 def _attention(call):

@@ -3,8 +3,13 @@
 Importing this package does not import TensorFlow: the module ``dcmha_tf_cpu`` loads
 on first use of one of its names. See ``dcmha_tf_cpu`` for the API and ``keras_core``
 for the Keras fast path (``DCMHA(implementation="tf_cpu")``).
+
+Importing it also hands the framework seam (``dcmha.backend``) the kernel's op for a
+decoding step's dynamic weights (``keras_core.dynamic_weights``), imported on its first
+use. The registry imports this package (its entry point) before the seam's first lookup.
 """
 
+from dcmha import backend as seam
 from dcmha.backends import cpu_kernel_package
 
 __all__ = ["IMPLEMENTATION", "dcmha_attention", "dcmha_attention_reference", "is_available"]
@@ -12,3 +17,11 @@ __all__ = ["IMPLEMENTATION", "dcmha_attention", "dcmha_attention_reference", "is
 IMPLEMENTATION, is_available, __getattr__ = cpu_kernel_package(
     __name__, "tf_cpu", "tensorflow", "dcmha_tf_cpu", priority=20,
     description="TensorFlow blocks whose composes run in the compiled C kernel (custom ops)")
+
+
+def _step_dynamic_weights():
+    from .keras_core import dynamic_weights
+    return dynamic_weights
+
+
+seam.provide("tensorflow", "step_dynamic_weights", _step_dynamic_weights)

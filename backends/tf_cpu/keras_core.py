@@ -1,7 +1,7 @@
 """The "tf_cpu" implementation's module (Keras TensorFlow backend): ``attention(call)``
 runs the TensorFlow blocks whose composes are the compiled C kernel's ops
 (``dcmha_tf_cpu``) on a validated ``dcmha.call.AttentionCall``; ``dynamic_weights`` is a
-decoding step's dynamic weights by the kernel op, reached through the backend seam.
+decoding step's dynamic weights by the kernel op, provided to the framework seam.
 
 What the path lacks and where ``"auto"`` may take it are declared in its registration
 (``dcmha.backends.tf_cpu.IMPLEMENTATION``); ``unsupported`` adds the checks that need
@@ -29,7 +29,7 @@ def unsupported(call):
 
 def dynamic_weights(x, dw1, qkw, dd, **kwargs):
     """A decoding step's dynamic weights by the kernel op (``dcmha_tf_cpu.dynamic_weights``;
-    ``dcmha.ops`` finds it here through the registry), or None."""
+    provided to the framework seam by this package), or None."""
     from . import dcmha_tf_cpu
     return dcmha_tf_cpu.dynamic_weights(x, dw1, qkw, dd, **kwargs)
 

@@ -4,10 +4,17 @@ Importing this package does not import PyTorch: the module ``dcmha_torch``
 loads on first use of one of its names. See ``dcmha_torch`` for the API (the
 same shape of API as the Triton, Pallas and XLA backends) and ``keras_core``
 for the Keras fast path (``DCMHA(implementation="torch")``).
+
+Importing it also hands the framework seam (``dcmha.backend``) eager PyTorch's kernels
+for a decoding step (``dynamic_weights``: the step's dynamic weights and the fused query
+projection) and the ONNX exporter's ``rms_norm`` (``onnx_symbolic``), each imported on
+its first use. The registry imports this package (its entry point) before the seam's
+first lookup.
 """
 
 import importlib.util
 
+from dcmha import backend as seam
 from dcmha.backends import CPU_MIN_LENGTH_PRODUCT, lazy_attributes
 from dcmha.registry import Implementation
 
@@ -40,3 +47,22 @@ DECODE_IMPLEMENTATION = Implementation(
     description="one decoding step (T = 1) in plain PyTorch ops; other calls run the "
                 "plain core")
 
+
+def _step_dynamic_weights():
+    from .dynamic_weights import dynamic_weights
+    return dynamic_weights
+
+
+def _fused_query_projection():
+    from .dynamic_weights import fused_query_projection
+    return fused_query_projection
+
+
+def _prepare_onnx_export():
+    from .onnx_symbolic import register_rms_norm
+    return register_rms_norm
+
+
+seam.provide("torch", "step_dynamic_weights", _step_dynamic_weights)
+seam.provide("torch", "fused_query_projection", _fused_query_projection)
+seam.provide("torch", "prepare_onnx_export", _prepare_onnx_export)

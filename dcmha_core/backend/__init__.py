@@ -1,4 +1,4 @@
-"""The backend seam: everything dcmha's shared code (``dcmha.layers``, ``dcmha.ops``,
+"""The framework seam: everything dcmha's shared code (``dcmha.layers``, ``dcmha.ops``,
 ``dcmha.models``, ``dcmha.demo``) needs that depends on the active Keras backend.
 
 One module per Keras backend (``jax``, ``torch``, ``tensorflow``, ``numpy``), chosen once,
@@ -8,12 +8,24 @@ on first use, from ``keras.backend.backend()``, as Keras keeps its own in
 this package (``from dcmha import backend as seam; seam.readable_value(x)``) and never
 compares backend names. ``_common`` lists every name with its default and contract.
 
-A backend's speed tricks (compiled kernels, eager PyTorch shortcuts) live in its own
-folder under ``dcmha.backends`` and are reached from its module here or through the
-registry (``dcmha.registry``).
+The seam is the package's lowest layer but the spec: it imports nothing of dcmha above
+it. What it needs from above is handed to it:
+
+* A fast path (``dcmha.backends``) hands the seam its speed tricks for one Keras backend
+  with ``provide(keras_backend, name, load)`` when its package is imported (e.g. eager
+  PyTorch's step kernel of the dynamic weights, from ``backends/torch_native``); the
+  backend's module here reads them with ``provided(keras_backend, name)``.
+* The registry (``dcmha.registry``), which imports the fast paths' packages from their
+  entry points, hands the seam that import with ``set_finder``: the first ``provided``
+  runs it, so a fast path has registered before its first possible use, whichever call
+  comes first.
+
+``device(x)`` is the one device probe ("cpu", "gpu" or "tpu"); ``on_cpu()`` and the
+registry's ``current_device`` read it.
 """
 
 import importlib
+import threading
 
 _chosen = None
 
@@ -37,3 +49,85 @@ def __getattr__(name):
     if name.startswith("__"):
         raise AttributeError(name)
     return getattr(current(), name)
+
+
+def on_cpu(x=None):
+    """Whether ``x`` (None: a new array of the active backend) lives on the CPU:
+    ``device(x) == "cpu"``."""
+    return current().device(x) == "cpu"
+
+
+# ---------------------------------------------------------------------------
+# What fast paths hand the seam
+# ---------------------------------------------------------------------------
+
+#: The names a fast path may provide, with the contract of each (the seam's functions
+#: that read them say when they are taken).
+PROVIDED_NAMES = {
+    "step_dynamic_weights": "(x, dw1, qkw, dd, *, C, rank, gelu_approximate, eps) -> "
+                            "``plain_dynamic_weights``' arrays, stacked or split into C "
+                            "slots, or None where it does not run",
+    "fused_query_projection": "(x, kernel, bias, dw1, qkw, dd, *, C, rank, "
+                              "gelu_approximate, eps) -> (the query projection, the "
+                              "stacked dynamic weights), or None where it does not run",
+    "prepare_onnx_export": "() -> None: whatever the framework's ONNX exporter needs first",
+}
+
+_lock = threading.Lock()
+_find_lock = threading.Lock()
+_loaders = {}     # (keras backend, name) -> load() -> the function
+_loaded = {}      # (keras backend, name) -> the function, or None (its load failed)
+_finder = None    # imports the packages that call ``provide``; run before the first lookup
+
+
+def provide(keras_backend, name, load):
+    """Hand the seam the function ``name`` (one of ``PROVIDED_NAMES``) for the Keras
+    backend ``keras_backend``: ``load()`` returns it, and is called on its first use
+    (so that registering imports no framework). A later ``provide`` replaces it."""
+    if name not in PROVIDED_NAMES:
+        raise ValueError(f"`name` must be one of {sorted(PROVIDED_NAMES)}. "
+                         f"Received: name={name!r}")
+    if not callable(load):
+        raise TypeError(f"`load` must be callable. Received: load={load!r}")
+    with _lock:
+        _loaders[(keras_backend, name)] = load
+        _loaded.pop((keras_backend, name), None)
+
+
+def set_finder(find):
+    """``find()`` imports every package that calls ``provide`` (the registry's entry
+    points); the first ``provided`` runs it, once. None removes it."""
+    global _finder
+    if find is not None and not callable(find):
+        raise TypeError(f"`find` must be callable or None. Received: find={find!r}")
+    with _lock:
+        _finder = find
+        for key in [k for k, fn in _loaded.items() if fn is None]:
+            del _loaded[key]          # looked up before: look again, after ``find``
+
+
+def provided(keras_backend, name):
+    """The function ``name`` a fast path provided for ``keras_backend``, or None (none
+    registered, or its ``load`` raised ImportError)."""
+    key = (keras_backend, name)
+    try:
+        return _loaded[key]
+    except KeyError:
+        pass
+    _find()
+    load = _loaders.get(key)
+    try:
+        fn = None if load is None else load()
+    except ImportError:
+        fn = None
+    _loaded[key] = fn
+    return fn
+
+
+def _find():
+    """Run the finder once (other threads wait until it has run)."""
+    global _finder
+    with _find_lock:
+        find, _finder = _finder, None
+        if find is not None:
+            find()

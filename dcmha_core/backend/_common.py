@@ -8,7 +8,7 @@ import numpy as np
 __all__ = ["readable_value", "to_layer_device", "arange_int32", "stack", "unstack",
            "eager_slice_write", "cache_writer", "step_dynamic_weights", "fused_query",
            "fused_query_projection",
-           "call_sublayer", "on_cpu", "LOOPED_CHUNKS", "decode_step", "step_index",
+           "call_sublayer", "device", "LOOPED_CHUNKS", "decode_step", "step_index",
            "prepare_export", "DEMO_JIT_COMPILE", "TORCH_MODULES", "SHARD_MAP",
            "whole_values"]
 
@@ -84,9 +84,11 @@ def call_sublayer(layer, x, **kwargs):
     return layer(x, **kwargs)
 
 
-def on_cpu():
-    """Whether the backend computes on the CPU (no accelerator visible)."""
-    return True
+def device(x=None):
+    """Where ``x`` is computed on: "cpu", "gpu" or "tpu"; x None: where the backend puts a
+    new array (its default device). The seam's one device probe (``dcmha.backend.on_cpu``,
+    ``dcmha.registry.current_device``)."""
+    return "cpu"
 
 
 #: Whether many query chunks run as ``ops.map`` loops (a traced program stays bounded)
@@ -128,7 +130,7 @@ DEMO_JIT_COMPILE = "auto"
 #: (``dcmha.engines.torch_module``).
 TORCH_MODULES = False
 
-#: Whether ``dcmha.distribution.partitioned`` can run a fast path per shard of a device
+#: Whether ``dcmha.partition.partitioned`` can run a fast path per shard of a device
 #: mesh (``shard_map``); elsewhere the active distribution is left to the backend.
 SHARD_MAP = False
 

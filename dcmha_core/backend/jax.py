@@ -27,9 +27,12 @@ def arange_int32(start, stop):
     return ops.arange(start, stop, dtype="int32")
 
 
-def on_cpu():
+def device(x=None):
+    """JAX's default platform ("cpu", "gpu" or "tpu"; another platform counts as "gpu"),
+    whatever ``x``."""
     import jax
-    return jax.default_backend() == "cpu"
+    platform = jax.default_backend()
+    return platform if platform in ("cpu", "gpu", "tpu") else "gpu"
 
 
 LOOPED_CHUNKS = True

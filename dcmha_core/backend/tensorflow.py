@@ -1,11 +1,17 @@
-"""The seam's module for Keras's TensorFlow backend (``dcmha.backend``)."""
+"""The seam's module for Keras's TensorFlow backend (``dcmha.backend``).
+
+The compiled kernel's op for a decoding step's dynamic weights lives in
+``dcmha.backends.tf_cpu``, which provides it to the seam (``provide``).
+"""
 
 import numpy as np
 
+from dcmha.backend import provided
 from dcmha.backend._common import *  # noqa: F401,F403
 from dcmha.backend._common import __all__  # noqa: F401
 from dcmha.backend._common import _last_logits
 from dcmha.backend._common import readable_value as _readable
+from dcmha.spec.reference import W1_NORM_EPS
 
 
 def readable_value(x):
@@ -23,7 +29,6 @@ def cache_writer(index, new_length, batch):
     DCMHA decoding step writes up to eight entries per layer."""
     import tensorflow as tf
 
-    from dcmha.ops import as_dtype, dtype_name
     index = tf.cast(index, tf.int32)
     if isinstance(batch, int) and isinstance(new_length, int):
         # (b, t) for every row as a constant, shifted by (0, index): two graph ops.
@@ -36,43 +41,41 @@ def cache_writer(index, new_length, batch):
         positions = tf.stack(grid, axis=-1)                                # (B, T, 2)
 
     def write(entry, update):
-        return tf.tensor_scatter_nd_update(entry, positions,
-                                           as_dtype(update, dtype_name(entry.dtype)))
+        if not tf.is_tensor(update) or update.dtype != entry.dtype:
+            update = tf.cast(update, entry.dtype)
+        return tf.tensor_scatter_nd_update(entry, positions, update)
     return write
 
 
-#: The step kernel of the dynamic weights ("tf_cpu"'s ``dynamic_weights``), found once.
+#: The step kernel of the dynamic weights (provided by "tf_cpu"), found once.
 _STEP_KERNEL = {}
 
 
 def _step_kernel():
     if "dynamic_weights" not in _STEP_KERNEL:
-        from dcmha import registry
-        impl = registry.implementations().get("tf_cpu")
-        try:
-            module = impl.load() if impl is not None else None
-        except ImportError:
-            module = None
-        _STEP_KERNEL["dynamic_weights"] = getattr(module, "dynamic_weights", None)
+        _STEP_KERNEL["dynamic_weights"] = provided("tensorflow", "step_dynamic_weights")
     return _STEP_KERNEL["dynamic_weights"]
 
 
 def step_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
-    """The "tf_cpu" kernel op when it takes x (B, L, D) (sizes known, few rows, not in an
-    XLA trace): it writes each slot's array, so a graph has no reshape or unstack op
-    after it."""
-    from dcmha.call import shape_of
-    from dcmha.ops import W1_NORM_EPS
+    """The provided "step_dynamic_weights" ("tf_cpu"'s kernel op) when it takes x (B, L,
+    D) (sizes known, few rows, not in an XLA trace): it writes each slot's array, so a
+    graph has no reshape or unstack op after it."""
     fast = _step_kernel()
-    if fast is None or None in shape_of(x):
+    if fast is None or None in tuple(x.shape):
         return None
     return fast(x, dw1, qkw, dd, C=C, rank=rank, gelu_approximate=gelu_approximate,
                 eps=W1_NORM_EPS)
 
 
-def on_cpu():
+def device(x=None):
+    """"gpu" for a tensor placed on a GPU, and for an unplaced one (x None included) when
+    TensorFlow sees a GPU; else "cpu"."""
     import tensorflow as tf
-    return not tf.config.list_logical_devices("GPU")
+    name = str(getattr(x, "device", "") or "")
+    if "GPU" in name.upper():
+        return "gpu"
+    return "gpu" if not name and tf.config.list_logical_devices("GPU") else "cpu"
 
 
 LOOPED_CHUNKS = True

@@ -2,19 +2,22 @@
 
 Eager PyTorch (outside ``torch.compile``) takes PyTorch's own ops on the hot paths of a
 decoding step: a ``keras.ops`` call costs about twice the PyTorch op it wraps (argument
-conversions), and a step is dispatch-bound. The plain-PyTorch code lives in
-``dcmha.backends.torch_native``.
+conversions), and a step is dispatch-bound. The plain-PyTorch kernels (the dynamic
+weights of a step, the fused query projection, the ONNX exporter's ``rms_norm``) live in
+``dcmha.backends.torch_native``, which provides them to the seam (``provide``).
 """
 
 import numpy as np
 import torch
 
+from dcmha.backend import provided
 from dcmha.backend._common import *  # noqa: F401,F403
 from dcmha.backend._common import __all__  # noqa: F401
 from dcmha.backend._common import _last_logits  # noqa: F401
 from dcmha.backend._common import readable_value as _readable
 from dcmha.backend._common import stack as _stack
 from dcmha.backend._common import unstack as _unstack
+from dcmha.spec.reference import W1_NORM_EPS
 
 
 def _eager(*arrays):
@@ -78,41 +81,53 @@ def eager_slice_write(entry, index, update):
 
 
 def step_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
-    """Eager PyTorch: ``torch_native.dynamic_weights`` (the kernel for a step's rows)."""
+    """Eager PyTorch: the provided "step_dynamic_weights" (``torch_native``'s kernel for a
+    step's rows), split into the C slots."""
     if not _eager(x, *(w for w in (dw1, qkw, dd) if w is not None)):
         return None
-    from dcmha.backends.torch_native import dynamic_weights as native
-    from dcmha.ops import W1_NORM_EPS
-    stacked = native.dynamic_weights(x, dw1, qkw, dd, C=C, rank=rank,
-                                     gelu_approximate=gelu_approximate, eps=W1_NORM_EPS)
+    native = provided("torch", "step_dynamic_weights")
+    if native is None:
+        return None
+    stacked = native(x, dw1, qkw, dd, C=C, rank=rank, gelu_approximate=gelu_approximate,
+                     eps=W1_NORM_EPS)
     return {n: a.unbind(3) for n, a in stacked.items()}
 
 
 def fused_query(query_dense, projection, query):
-    """Eager PyTorch on the CPU, a decoding step: ``dcmha.ops.fused_query_projection``.
-    Only a built, plain float32 query projection takes it (no LoRA, not quantised,
-    linear)."""
+    """Eager PyTorch, a decoding step: ``fused_query_projection`` of the layer's weights,
+    the dynamic weights split into the projection's slots. Only a built, plain float32
+    query projection takes it (no LoRA, not quantised, linear)."""
     import keras
     if (not projection.built or query_dense.lora_enabled
             or query_dense.quantization_mode is not None
             or query_dense.compute_dtype != "float32"
             or query_dense.activation not in (None, keras.activations.linear)):
         return None
-    from dcmha import ops as dops
-    return dops.fused_query_projection(
-        query, query_dense.kernel, query_dense.bias, projection.dw1, projection.qkw,
-        projection.dd, slots=projection.slots, rank=projection.rank,
-        gelu_approximate=projection.gelu_approximate)
+    slots = projection.slots
+    weights = [None if w is None else w.value for w in (
+        query_dense.kernel, query_dense.bias, projection.dw1, projection.qkw, projection.dd)]
+    out = fused_query_projection(query, *weights, C=len(slots), rank=projection.rank,
+                                 gelu_approximate=projection.gelu_approximate)
+    if out is None:
+        return None
+    q, stacked = out
+    split = {s: {} for s in slots}
+    for name, a in stacked.items():          # the C axis (3): one array per slot
+        for s, a_s in zip(slots, a.unbind(3)):
+            split[s][name] = a_s
+    return q, split
 
 
 def fused_query_projection(x, kernel, bias, dw1, qkw, dd, *, C, rank, gelu_approximate):
-    """Eager PyTorch: ``torch_native.dynamic_weights.fused_query_projection``."""
+    """Eager PyTorch: the provided "fused_query_projection"
+    (``torch_native.dynamic_weights.fused_query_projection``)."""
     if not _eager(x, *(w for w in (kernel, bias, dw1, qkw, dd) if w is not None)):
         return None
-    from dcmha.backends.torch_native import dynamic_weights as native
-    from dcmha.ops import W1_NORM_EPS
-    return native.fused_query_projection(x, kernel, bias, dw1, qkw, dd, C=C, rank=rank,
-                                         gelu_approximate=gelu_approximate, eps=W1_NORM_EPS)
+    native = provided("torch", "fused_query_projection")
+    if native is None:
+        return None
+    return native(x, kernel, bias, dw1, qkw, dd, C=C, rank=rank,
+                  gelu_approximate=gelu_approximate, eps=W1_NORM_EPS)
 
 
 def call_sublayer(layer, x, **kwargs):
@@ -122,12 +137,20 @@ def call_sublayer(layer, x, **kwargs):
     weights, no mask) have nothing else for it to do."""
     if not layer.built:
         return layer(x, **kwargs)
-    from dcmha.ops import as_dtype
-    return layer.call(as_dtype(x, layer.compute_dtype), **kwargs)
+    dtype = layer.compute_dtype
+    if not (isinstance(x, torch.Tensor) and x.dtype == getattr(torch, dtype, None)):
+        from keras import ops
+        x = ops.cast(x, dtype)
+    return layer.call(x, **kwargs)
 
 
-def on_cpu():
-    return not torch.cuda.is_available()
+def device(x=None):
+    """"cpu" for CPU and "meta" tensors (and non-tensors), "gpu" for any other torch
+    device; x None: "gpu" when CUDA is available (where Keras puts new tensors)."""
+    if x is None:
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    kind = getattr(getattr(x, "device", None), "type", "cpu")
+    return "cpu" if kind in ("cpu", "meta") else "gpu"
 
 
 def decode_step(model):
@@ -147,10 +170,12 @@ def step_index(i):
 
 
 def prepare_export(format):
-    """ONNX: teach the TorchScript exporter ``aten::rms_norm`` (Keras's RMSNorm)."""
+    """ONNX: the provided "prepare_onnx_export" (``torch_native`` teaches the TorchScript
+    exporter ``aten::rms_norm``, Keras's RMSNorm)."""
     if format == "onnx":
-        from dcmha.backends.torch_native import onnx_symbolic
-        onnx_symbolic.register_rms_norm()
+        prepare = provided("torch", "prepare_onnx_export")
+        if prepare is not None:
+            prepare()
 
 
 TORCH_MODULES = True

@@ -9,9 +9,15 @@ import dataclasses
 from dcmha import call as dcall
 from dcmha import registry
 from dcmha.ops.tensors import as_dtype
+from dcmha.spec import terms as spec_terms
 
-#: The plain core's registration (entry point ``ops`` of ``dcmha.implementations``).
-IMPLEMENTATION = registry.OPS
+#: The plain core's registration (entry point ``ops`` of ``dcmha.implementations``): every
+#: backend, device and capability, and every compose term (its arithmetic is read from the
+#: spec).
+IMPLEMENTATION = registry.Implementation(
+    name="ops", backend="any", module="dcmha.ops", devices=frozenset({"cpu", "gpu", "tpu"}),
+    terms=frozenset(spec_terms.TERM_NAMES),
+    description="the plain keras.ops core (every backend, every capability)")
 
 
 def core_result(result, return_attention_scores):
