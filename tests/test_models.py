@@ -109,7 +109,10 @@ def test_intermediate_dim_rules():
     dict(attention="mha"),
     dict(num_key_value_heads=2, num_groups=2, qk_norm=True, tie_embeddings=True),
     dict(window_pattern="LGLL", num_layers=4, rank=1, gelu_approximate=False, seed=3),
-], ids=["dcmha", "mha", "gqa-groups-qknorm-tied", "lgll-rank1-erf-seeded"])
+    dict(dcmha_layers=2),
+    dict(dcmha_layers=[0], pre_compose=False, qk_norm=True),
+], ids=["dcmha", "mha", "gqa-groups-qknorm-tied", "lgll-rank1-erf-seeded", "every-2nd",
+        "layer0-post-only"])
 def test_logits_match_numpy_reference(options):
     model = perturb(DCFormerLM(**{**TINY, **options}))
     ids = tokens((2, 7), TINY["vocab_size"])
@@ -187,7 +190,8 @@ def test_mha_has_no_composition_weights():
     dict(), dict(attention="mha"), dict(tie_embeddings=True, qk_norm=True),
     dict(num_key_value_heads=2, num_groups=2, rank=1, dynamic_hidden_dim=5),
     dict(static_compose=True, dynamic_projection=False, dynamic_gating=False),
-    dict(pre_compose=False, query_wise=False), dict(intermediate_dim=None, head_dim=12)])
+    dict(pre_compose=False, query_wise=False), dict(intermediate_dim=None, head_dim=12),
+    dict(dcmha_layers=2), dict(dcmha_layers=[0, 2], pre_compose=False, static_compose=True)])
 def test_count_parameters_matches_built_model(options):
     model = DCFormerLM(**{**TINY, **options})
     model.build((None, None))
@@ -208,6 +212,26 @@ def test_presets():
                                                        "num_layers": 2, "attention": "mha"})
     with pytest.raises(ValueError, match=r"Unknown preset 'nope'\. Available: \['dcformer_2.8b'"):
         DCFormerLM.from_preset("nope")
+
+
+@pytest.mark.parametrize("name,base", [("dcformer_post_tiny", "dcformer_tiny"),
+                                       ("dcformer_post_405m", "dcformer_405m")])
+def test_post_only_presets(name, base):
+    """The post-only presets are their base preset with the scores' composition off."""
+    assert PRESETS[name] == {**PRESETS[base], "pre_compose": False, "post_compose": True}
+    # What DCMHA adds is halved: two of the four dynamic-weight slots.
+    added = (count_parameters(**PRESETS[base])
+             - count_parameters(**PRESETS[base], attention="mha"))
+    assert (count_parameters(**PRESETS[name])
+            - count_parameters(**PRESETS[base], attention="mha")) * 2 == added
+    if name == "dcformer_post_tiny":
+        model = DCFormerLM.from_preset(name, num_layers=2)
+        model.build((None, None))
+        assert model.count_params() == count_parameters(**{**PRESETS[name], "num_layers": 2})
+        config = model.blocks[0].attention.get_config()
+        assert (config["pre_compose"], config["post_compose"]) == (False, True)
+        dw1 = [v for v in model.blocks[0].attention.weights if v.path.endswith("/dw1")]
+        assert [tuple(v.shape)[2] for v in dw1] == [2]        # C = 2 slots
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -241,6 +265,125 @@ def test_block_call_shapes():
 
 
 # ---------------------------------------------------------------------------
+# Placement: DCMHA in some layers only
+# ---------------------------------------------------------------------------
+
+def built(model):
+    model.build((None, None))
+    return model
+
+
+def composing_layers(model):
+    """The indices of the blocks whose attention layer has composition weights."""
+    return [i for i, b in enumerate(model.blocks)
+            if {v.path.split("/")[-1] for v in b.attention.weights} & {"dw1", "qkw", "dd"}]
+
+
+@pytest.mark.parametrize("dcmha_layers,num_layers,expected", [
+    (None, 4, [0, 1, 2, 3]), ("all", 4, [0, 1, 2, 3]), (1, 4, [0, 1, 2, 3]), (2, 4, [1, 3]),
+    (4, 8, [3, 7]), (3, 4, [2]), ([2, 0], 4, [0, 2]), ((3,), 4, [3]), (np.int64(2), 4, [1, 3])])
+def test_dcmha_layers_places_dcmha(dcmha_layers, num_layers, expected):
+    model = built(DCFormerLM(**dict(TINY, num_layers=num_layers), dcmha_layers=dcmha_layers))
+    assert composing_layers(model) == expected
+    for i, block in enumerate(model.blocks):
+        config = block.attention.get_config()
+        assert (config["pre_compose"], config["post_compose"]) == ((i in expected,) * 2)
+
+
+def _copy_block(source, target):
+    for s, t in zip(source.weights, target.weights):
+        assert s.path.split("/", 1)[1] == t.path.split("/", 1)[1]
+        t.assign(s)
+
+
+def test_mixed_layers_equal_mha_and_dcmha_models_layers():
+    """Given the same weights, a mixed model's plain layers compute what an
+    attention="mha" model's layers compute, and its DCMHA layers what an all-DCMHA
+    model's layers compute; the whole mixed model is then their composition."""
+    kw = dict(TINY, num_layers=4, seed=2)
+    mixed = built(DCFormerLM(**kw, dcmha_layers=[0, 3]))
+    mha = built(DCFormerLM(**kw, attention="mha"))
+    dcmha = perturb(built(DCFormerLM(**kw)), seed=4)
+    ids = tokens((2, 6), TINY["vocab_size"], seed=1)
+    for i, block in enumerate(mixed.blocks):
+        source = (dcmha if i in (0, 3) else mha).blocks[i]
+        _copy_block(source, block)
+        cfg, want = block.attention.get_config(), source.attention.get_config()
+        assert {k: v for k, v in cfg.items() if k != "name"} == {
+            k: v for k, v in want.items() if k != "name"}
+        x = np.random.default_rng(i).standard_normal((2, 6, TINY["hidden_dim"]))
+        x = x.astype("float32")
+        got, expected = np_(block(x)), np_(source(x))
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+    # The mixed model against the float64 reference of its own layers.
+    want = reference_logits(mixed, ids)
+    np.testing.assert_allclose(np_(mixed(ids)), want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(dcmha_layers=0), ValueError,
+     "`dcmha_layers` must be None, 'all', a positive integer k (every k-th layer) or a list of "
+     "layer indices. Received: dcmha_layers=0"),
+    (dict(dcmha_layers=-2), ValueError,
+     "`dcmha_layers` must be None, 'all', a positive integer k (every k-th layer) or a list of "
+     "layer indices. Received: dcmha_layers=-2"),
+    (dict(dcmha_layers=4), ValueError,
+     "`dcmha_layers`=4 (every 4-th layer) places DCMHA in none of the 3 layers; use "
+     "attention='mha' for none. Received: dcmha_layers=4, num_layers=3"),
+    (dict(dcmha_layers="some"), ValueError,
+     "`dcmha_layers` must be None, 'all', a positive integer k (every k-th layer) or a list of "
+     "layer indices. Received: dcmha_layers='some'"),
+    (dict(dcmha_layers=2.0), TypeError,
+     "`dcmha_layers` must be None, 'all', a positive integer k (every k-th layer) or a list of "
+     "layer indices. Received: dcmha_layers=2.0 of type float"),
+    (dict(dcmha_layers=True), TypeError,
+     "`dcmha_layers` must be None, 'all', a positive integer k (every k-th layer) or a list of "
+     "layer indices. Received: dcmha_layers=True of type bool"),
+    (dict(dcmha_layers=[0, "1"]), TypeError,
+     "`dcmha_layers` must list layer indices (integers). Received: dcmha_layers=[0, '1']"),
+    (dict(dcmha_layers=[0, 3]), ValueError,
+     "`dcmha_layers` must be layer indices in [0, 3) (num_layers=3). Received: "
+     "dcmha_layers=[0, 3]"),
+    (dict(dcmha_layers=[-1]), ValueError,
+     "`dcmha_layers` must be layer indices in [0, 3) (num_layers=3). Received: "
+     "dcmha_layers=[-1]"),
+    (dict(dcmha_layers=[2, 0, 2]), ValueError,
+     "`dcmha_layers` lists layers [2] more than once. Received: dcmha_layers=[2, 0, 2]"),
+    (dict(dcmha_layers=[]), ValueError,
+     "`dcmha_layers` lists no layer; use attention='mha' for none. Received: dcmha_layers=[]"),
+    (dict(dcmha_layers=2, attention="mha"), ValueError,
+     "attention='mha' switches composition off in every layer; it cannot be combined with "
+     "`dcmha_layers`. Received: dcmha_layers=2"),
+], ids=["k=0", "k<0", "k>layers", "string", "float", "bool", "item-type", "out-of-range",
+        "negative", "duplicate", "empty", "with-mha"])
+def test_invalid_dcmha_layers(kwargs, error, message):
+    with pytest.raises(error) as e:
+        DCFormerLM(**{**TINY, **kwargs})
+    assert str(e.value) == message
+    with pytest.raises(error) as e:
+        count_parameters(**{**TINY, **kwargs})
+    assert str(e.value) == message
+
+
+def test_dcmha_layers_config_and_keras_file_round_trip(tmp_path):
+    for placement in (2, [2, 0], "all"):
+        model = DCFormerLM(**TINY, dcmha_layers=placement)
+        config = model.get_config()
+        clone = DCFormerLM.from_config(config)
+        assert clone.get_config() == config
+        assert composing_layers(built(clone)) == composing_layers(built(model))
+    assert config["dcmha_layers"] == "all"
+    assert DCFormerLM(**TINY, dcmha_layers=(2, 0)).get_config()["dcmha_layers"] == [0, 2]
+    model = perturb(built(DCFormerLM(**TINY, dcmha_layers=[1], pre_compose=False)))
+    ids = tokens((2, 6), TINY["vocab_size"])
+    want = np_(model(ids))
+    model.save(str(tmp_path / "mixed.keras"))
+    loaded = keras.saving.load_model(str(tmp_path / "mixed.keras"))
+    assert loaded.dcmha_layers == [1] and composing_layers(loaded) == [1]
+    np.testing.assert_allclose(np_(loaded(ids)), want, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
 # Serialization
 # ---------------------------------------------------------------------------
 
@@ -268,7 +411,9 @@ def test_keras_file_save_load(tmp_path):
 # ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("options", [dict(), dict(num_key_value_heads=2, qk_norm=True,
-                                                  attention="mha")], ids=["dcmha", "mha-gqa"])
+                                                  attention="mha"),
+                                     dict(dcmha_layers=[1], num_key_value_heads=2)],
+                         ids=["dcmha", "mha-gqa", "mixed-gqa"])
 def test_cached_logits_match_full_forward(options):
     model = perturb(DCFormerLM(**{**TINY, **options}))
     ids = tokens((2, 7), TINY["vocab_size"], seed=3)
@@ -312,6 +457,14 @@ def test_sampling_is_seeded(gen_model):
         gen_model.generate(np.zeros((2,), "int32"), 2)
     with pytest.raises(ValueError, match=r"`max_new_tokens` must be a non-negative integer"):
         gen_model.generate(prompt, -1)
+
+
+def test_greedy_generation_with_mixed_layers():
+    model = perturb(built(DCFormerLM(**TINY, dcmha_layers=2)), scale=0.5)
+    prompt = tokens((2, 3), TINY["vocab_size"], seed=6)
+    out = model.generate(prompt, max_new_tokens=4)
+    np.testing.assert_array_equal(out[:, :3], prompt)
+    np.testing.assert_array_equal(out[:, 3:], np_(model(out))[:, 2:-1].argmax(-1))
 
 
 def test_as_functional_shares_weights(gen_model):

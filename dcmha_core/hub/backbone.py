@@ -10,6 +10,7 @@ from keras_hub.models import Backbone
 from dcmha.hub._release import release_dir
 from dcmha.models import (DCFormerLM, RMSNorm, decoder_blocks, resolve_config,
                           serialize_arguments)
+from dcmha.models.config import init_signature
 
 
 @keras.saving.register_keras_serializable(package="dcmha")
@@ -24,40 +25,29 @@ class DCFormerBackbone(Backbone):
     with causal attention a padded position is never seen by a real one, so it
     zeroes the padded positions' embeddings and changes no real position.
 
-    Args: those of `DCFormerLM` (vocab_size, num_layers, hidden_dim, num_heads,
-    intermediate_dim, num_key_value_heads, num_groups, head_dim, sliding_window,
-    window_pattern, qk_norm, rope_max_wavelength, norm_eps, tie_embeddings,
-    attention, kernel_initializer, further DCMHA options) plus keras-hub's
-    ``dtype``.
+    Args: those of `DCFormerLM` (declared once, by
+    `dcmha.models.config.resolve_config`) plus keras-hub's ``dtype``.
 
     `from_preset` also takes a checkpoint directory in the authors' release
     layout or an ``hf://owner/name`` handle (see `dcmha.checkpoints`).
     """
 
-    def __init__(self, vocab_size, num_layers, hidden_dim, num_heads, intermediate_dim=None,
-                 num_key_value_heads=None, num_groups=1, head_dim=None, sliding_window=None,
-                 window_pattern="LG", qk_norm=False, rope_max_wavelength=10000, norm_eps=1e-6,
-                 tie_embeddings=False, attention="dcmha", kernel_initializer="glorot_uniform",
-                 dtype=None, **kwargs):
+    def __init__(self, *args, dtype=None, **kwargs):
         base = {k: kwargs.pop(k) for k in ("name", "trainable") if k in kwargs}
-        arguments = dict(
-            vocab_size=vocab_size, num_layers=num_layers, hidden_dim=hidden_dim,
-            num_heads=num_heads, intermediate_dim=intermediate_dim,
-            num_key_value_heads=num_key_value_heads, num_groups=num_groups, head_dim=head_dim,
-            sliding_window=sliding_window, window_pattern=window_pattern, qk_norm=qk_norm,
-            rope_max_wavelength=rope_max_wavelength, norm_eps=norm_eps,
-            tie_embeddings=tie_embeddings, attention=attention, **kwargs)
-        # The same validation and per-layer attention options as DCFormerLM.
-        spec = resolve_config(**arguments)
+        # DCFormerLM's arguments, validation and per-layer attention options.
+        spec = resolve_config(*args, **kwargs)
+        arguments = spec["arguments"]
+        kernel_initializer = arguments["kernel_initializer"]
+        norm_eps = arguments["norm_eps"]
 
         # === Layers (DCFormerLM's, keras-hub names) ===
         self.token_embedding = ReversibleEmbedding(
-            spec["vocab_size"], spec["hidden_dim"], tie_weights=bool(tie_embeddings),
+            spec["vocab_size"], spec["hidden_dim"], tie_weights=spec["tie_embeddings"],
             name="token_embedding", dtype=dtype)
         self.transformer_layers = decoder_blocks(
             spec, kernel_initializer=keras.initializers.get(kernel_initializer),
             norm_eps=norm_eps, dtype=dtype)
-        self.layer_norm = RMSNorm(epsilon=float(norm_eps), name="norm", dtype=dtype)
+        self.layer_norm = RMSNorm(epsilon=norm_eps, name="norm", dtype=dtype)
 
         # === Functional model ===
         token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
@@ -71,11 +61,10 @@ class DCFormerBackbone(Backbone):
                          outputs=x, dtype=dtype, **base)
 
         # === Config ===
-        self.arguments = dict(arguments, kernel_initializer=kernel_initializer)
-        for k in ("vocab_size", "num_layers", "hidden_dim", "num_heads"):
+        self.arguments = arguments
+        for k in ("vocab_size", "num_layers", "hidden_dim", "num_heads", "head_dim",
+                  "tie_embeddings"):
             setattr(self, k, spec[k])
-        self.head_dim = spec["head_dim"]
-        self.tie_embeddings = bool(tie_embeddings)
 
     def get_config(self):
         config = super().get_config()
@@ -96,15 +85,22 @@ class DCFormerBackbone(Backbone):
         """A `dcmha.models.DCFormerLM` holding this backbone's current weights (LoRA
         merged into the kernels), e.g. for `dcmha.export.to_onnx` or
         `DCFormerLM.export` after fine-tuning. Float (not quantized) backbones only."""
-        from dcmha import checkpoints
-
         lm = DCFormerLM(**self.arguments, dtype=self.dtype_policy.name)
         lm.build((None, None))
-        sd = checkpoints.to_official_state_dict(self._lm_view())
-        kw = dict(hidden_dim=self.hidden_dim, num_heads=self.num_heads, head_dim=self.head_dim,
-                  num_key_value_heads=self.arguments["num_key_value_heads"],
-                  attention=self.arguments["attention"], qk_norm=bool(self.arguments["qk_norm"]))
-        checkpoints.assign_official_state_dict(lm, sd, kw)
+        source = self._lm_view()
+        pairs = [(lm.tok_embeddings.embeddings, source.tok_embeddings.embeddings),
+                 (lm.norm.scale, source.norm.scale)]
+        if lm.output_projection is not None:
+            pairs.append((lm.output_projection.kernel, source.output_projection.kernel))
+        for mine, theirs in zip(lm.blocks, source.blocks):
+            # The attention kernels the layer computes with (LoRA merged), by spec name.
+            mine.attention.load_spec_weights(theirs.attention.spec_weights())
+            pairs += [(mine.attention_norm.scale, theirs.attention_norm.scale),
+                      (mine.ffn_norm.scale, theirs.ffn_norm.scale)]
+            pairs += [(getattr(mine.feed_forward, n).kernel,
+                       getattr(theirs.feed_forward, n).kernel) for n in ("w1", "w3", "w2")]
+        for variable, value in pairs:
+            variable.assign(ops.cast(value, variable.dtype))
         return lm
 
     @classmethod
@@ -125,3 +121,8 @@ class DCFormerBackbone(Backbone):
         if load_weights:
             checkpoints.assign_official_state_dict(backbone._lm_view(), sd, kw)
         return backbone
+
+
+#: What `inspect.signature(DCFormerBackbone)`, `help` and Keras see: DCFormerLM's
+#: arguments (`dcmha.models.config.resolve_config`) plus keras-hub's ``dtype``.
+DCFormerBackbone.__init__.__signature__ = init_signature(dtype=None)
