@@ -60,6 +60,8 @@ def main(argv=None):
 
     from dcmha import layers as dlayers
     from dcmha import ops as dops
+    from dcmha.layers import cache as dlayers_cache
+    from dcmha.layers import dcmha as dlayers_dcmha
     from dcmha.ops import tensors as dops_tensors
     if keras.backend.backend() != "torch":
         raise SystemExit("decode_sections.py times the eager PyTorch step: KERAS_BACKEND=torch")
@@ -102,8 +104,8 @@ def main(argv=None):
                                    (dops_tensors, "as_dtype",
                                     "as_dtype (cache reads; also inside the writes)"),
                                    (dops, "stage_terms", "stage_terms"),
-                                   (dlayers.DCMHA, "_check_cache", "cache check"),
-                                   (dlayers.DCMHA, "_attention_mask", "mask")):
+                                   (dlayers_cache, "check_cache", "cache check"),
+                                   (dlayers_dcmha, "_combine_masks", "mask")):
             restore.append((owner, attr, timed(owner, attr, label)))
         layer_call = keras.layers.Layer.__call__
 

@@ -30,11 +30,19 @@ def np_(x):
 # ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(num_heads=0), "`num_heads` must be a positive integer. Received: num_heads=0"),
-    (dict(num_heads=4.0), "`num_heads` must be a positive integer. Received: num_heads=4.0"),
-    (dict(key_dim=-1), "`key_dim` must be a positive integer. Received: key_dim=-1"),
+    (dict(num_heads=0),
+     "Received an invalid value for argument `num_heads`, expected a positive integer. "
+     "Received: num_heads=0"),
+    (dict(num_heads=4.0),
+     "Received an invalid value for argument `num_heads`, expected a positive integer. "
+     "Received: num_heads=4.0"),
+    (dict(key_dim=-1),
+     "Received an invalid value for argument `key_dim`, expected a positive integer. "
+     "Received: key_dim=-1"),
     (dict(rank=0), "`rank` must be a positive integer. Received: rank=0"),
-    (dict(value_dim=0), "`value_dim` must be None or a positive integer. Received: value_dim=0"),
+    (dict(value_dim=0),
+     "Received an invalid value for argument `value_dim`, expected a positive integer or "
+     "`None`. Received: value_dim=0"),
     (dict(query_chunk_size=0),
      "`query_chunk_size` must be None or a positive integer. Received: query_chunk_size=0"),
     (dict(sliding_window=True),
@@ -54,12 +62,15 @@ def np_(x):
     (dict(cross_attention=1), "`cross_attention` must be a boolean. Received: cross_attention=1"),
     (dict(dropout=1.0), "`dropout` must be a float in [0, 1). Received: dropout=1.0"),
     (dict(dropout=-0.1), "`dropout` must be a float in [0, 1). Received: dropout=-0.1"),
-    (dict(output_shape=(4, 0)), "`output_shape` must be None, a positive integer or a tuple "
-                                "of positive integers. Received: output_shape=(4, 0)"),
-    (dict(output_shape=0), "`output_shape` must be None, a positive integer or a tuple of "
-                           "positive integers. Received: output_shape=0"),
-    (dict(output_shape=8.0), "`output_shape` must be None, a positive integer or a tuple of "
-                             "positive integers. Received: output_shape=8.0"),
+    (dict(output_shape=(4, 0)),
+     "Invalid `output_shape`: it must be None, a positive integer or a tuple of positive "
+     "integers. Received: output_shape=(4, 0)"),
+    (dict(output_shape=0),
+     "Invalid `output_shape`: it must be None, a positive integer or a tuple of positive "
+     "integers. Received: output_shape=0"),
+    (dict(output_shape=8.0),
+     "Invalid `output_shape`: it must be None, a positive integer or a tuple of positive "
+     "integers. Received: output_shape=8.0"),
     (dict(attention_axes="1"), "`attention_axes` must be None, an integer or a tuple of "
                                "distinct integers. Received: attention_axes='1'"),
     (dict(attention_axes=(1, 1)), "`attention_axes` must be None, an integer or a tuple of "
@@ -71,8 +82,8 @@ def np_(x):
      "`flash_attention=True` asks for a fused attention core, which `implementation='ops'` "
      "rules out. Received: flash_attention=True, implementation='ops'"),
     (dict(flash_attention=True, dropout=0.1),
-     "`flash_attention=True` cannot be combined with attention dropout: no fused core applies "
-     "it. Received: dropout=0.1"),
+     "Dropout is not supported when flash attention is enabled. Please set dropout to 0.0 to "
+     "use flash attention. Received: dropout=0.1"),
     (dict(flash_attention=False, implementation="torch"),
      "`flash_attention=False` asks for the plain 'ops' core, which `implementation='torch'` "
      "contradicts. Received: flash_attention=False, implementation='torch'"),
@@ -219,8 +230,8 @@ def test_call_validates_inputs_after_build():
             "`query` must have rank 3 (B, L, D). Received: query.shape=(3, 16)")):
         layer(np.zeros((3, 16), "float32"), x)
     with pytest.raises(ValueError, match=re.escape(
-            "`key` and `value` must have the same length. Received: value.shape=(2, 3, 16), "
-            "key.shape=(2, 4, 16)")):
+            "All dimensions of `value` and `key`, except the last one, must be equal. Received: "
+            "value.shape=(2, 3, 16) and key.shape=(2, 4, 16)")):
         layer(x, x, np.zeros((2, 4, 16), "float32"))
 
 

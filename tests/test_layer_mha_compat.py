@@ -185,9 +185,37 @@ def test_flash_attention_refuses_scores():
     x = f32(rng, 2, 3, 8)
     layer = DCMHA(num_heads=2, key_dim=4, flash_attention=True)
     with pytest.raises(ValueError, match=re.escape(
-            "`return_attention_scores=True` cannot be used with `flash_attention=True`: fused "
-            "attention cores do not return scores.")):
+            "Returning attention scores is not supported when flash attention is enabled. "
+            "Please disable flash attention to access attention scores.")):
         layer(x, x, return_attention_scores=True)
+
+
+@pytest.mark.parametrize("query_shape, value_shape, key_shape", [
+    ((2, 4, 8), (2, 2, 7), (2,)),
+    ((2, 4, 8), (2, 2, 8), (2, 1, 7)),
+    ((2, 4, 2, 3, 8), (2, 1, 1, 5, 8), (2, 1, 15, 5, 2)),
+])
+def test_key_value_shape_check_as_multi_head_attention(query_shape, value_shape, key_shape):
+    """Keras's test_shape_mismatch_error: `value` and `key` must agree on every axis but
+    the last; `compute_output_shape` and a call raise MultiHeadAttention's ValueError."""
+    options = dict(num_heads=4, key_dim=2, value_dim=2)
+    mha = keras.layers.MultiHeadAttention(**options)
+    with pytest.raises(ValueError) as want:
+        mha.compute_output_shape(query_shape, value_shape, key_shape)
+    layer = DCMHA(**options, **OFF)
+    with pytest.raises(ValueError, match="^" + re.escape(str(want.value)) + "$"):
+        layer.compute_output_shape(query_shape, value_shape, key_shape)
+    with pytest.raises(ValueError, match=re.escape(str(want.value))):
+        layer(*(np.ones(s, "float32") for s in (query_shape, value_shape, key_shape)))
+
+
+def test_multi_head_attention_private_names():
+    """`_sliding_window` and `_flash_attention`, MultiHeadAttention's private names of the
+    arguments, read the arguments (also after a config round trip)."""
+    layer = DCMHA.from_config(DCMHA(num_heads=2, key_dim=4, sliding_window=5,
+                                    flash_attention=True).get_config())
+    assert layer._sliding_window == 5 and layer.sliding_window == 5
+    assert layer._flash_attention is True
 
 
 def test_fully_masked_rows_are_zero():

@@ -64,13 +64,23 @@ def layer():
 # ---------------------------------------------------------------------------
 
 INIT_ERRORS = [
-    (dict(num_heads=0), "`num_heads` must be a positive integer. Received: num_heads=0"),
-    (dict(num_heads=None), "`num_heads` must be a positive integer. Received: num_heads=None"),
-    (dict(num_heads=True), "`num_heads` must be a positive integer. Received: num_heads=True"),
-    (dict(key_dim=2.5), "`key_dim` must be a positive integer. Received: key_dim=2.5"),
+    (dict(num_heads=0),
+     "Received an invalid value for argument `num_heads`, expected a positive integer. "
+     "Received: num_heads=0"),
+    (dict(num_heads=None),
+     "Received an invalid value for argument `num_heads`, expected a positive integer. "
+     "Received: num_heads=None"),
+    (dict(num_heads=True),
+     "Received an invalid value for argument `num_heads`, expected a positive integer. "
+     "Received: num_heads=True"),
+    (dict(key_dim=2.5),
+     "Received an invalid value for argument `key_dim`, expected a positive integer. "
+     "Received: key_dim=2.5"),
     (dict(num_groups=0), "`num_groups` must be a positive integer. Received: num_groups=0"),
     (dict(rank=-2), "`rank` must be a positive integer. Received: rank=-2"),
-    (dict(value_dim=0), "`value_dim` must be None or a positive integer. Received: value_dim=0"),
+    (dict(value_dim=0),
+     "Received an invalid value for argument `value_dim`, expected a positive integer or "
+     "`None`. Received: value_dim=0"),
     (dict(num_key_value_heads=0), "`num_key_value_heads` must be None or a positive integer. "
                                   "Received: num_key_value_heads=0"),
     (dict(dynamic_hidden_dim=1.5), "`dynamic_hidden_dim` must be None or a positive integer. "
@@ -95,8 +105,9 @@ INIT_ERRORS = [
      "`rope_max_wavelength` must be finite. Received: rope_max_wavelength=nan"),
     (dict(key_dim=5, rope_max_wavelength=1e4), "RoPE needs an even `key_dim`. Received: key_dim=5"),
     (dict(qk_norm=None), "`qk_norm` must be a boolean. Received: qk_norm=None"),
-    (dict(output_shape=-3), "`output_shape` must be None, a positive integer or a tuple of "
-                            "positive integers. Received: output_shape=-3"),
+    (dict(output_shape=-3),
+     "Invalid `output_shape`: it must be None, a positive integer or a tuple of positive "
+     "integers. Received: output_shape=-3"),
     (dict(implementation="flash"), "`implementation` must be one of "
                                    f"{IMPLEMENTATION_NAMES}. Received: implementation='flash'"),
     (dict(seed=1.5), "`seed` must be None or an integer. Received: seed=1.5"),
@@ -122,9 +133,9 @@ def test_init(kwargs, message):
                                  "Received: query_shape=(2, 3, None)"),
     (((2, 3, 16), (2, 3, 0)), "`value` must have a positive last dimension D. "
                               "Received: value_shape=(2, 3, 0)"),
-    (((2, 3, 16), (2, 4, 16), (2, 5, 16)), "`key` and `value` must have the same length. "
-                                           "Received: value_shape=(2, 4, 16), "
-                                           "key_shape=(2, 5, 16)"),
+    (((2, 3, 16), (2, 4, 16), (2, 5, 16)), "All dimensions of `value` and `key`, except the "
+                                           "last one, must be equal. Received: "
+                                           "value_shape=(2, 4, 16) and key_shape=(2, 5, 16)"),
     (((2, 3, 16), (2, 3, 12)), "Self-attention dynamic weights share one projection, so "
                                "`query` and `key` must have the same width. Received: query "
                                "width 16, key width 12; use cross_attention=True for separate "
@@ -151,8 +162,8 @@ def test_call_width_after_build(layer):
 
 
 def test_call_key_value_lengths(layer):
-    with raises(ValueError, "`key` and `value` must have the same length. Received: "
-                            "value.shape=(2, 3, 16), key.shape=(2, 4, 16)"):
+    with raises(ValueError, "All dimensions of `value` and `key`, except the last one, must be "
+                            "equal. Received: value.shape=(2, 3, 16) and key.shape=(2, 4, 16)"):
         layer(f32(2, 3, 16), f32(2, 3, 16), f32(2, 4, 16))
 
 

@@ -25,6 +25,7 @@ from dcmha import backend as seam
 from dcmha import ops as dops
 from dcmha import registry
 from dcmha.call import shape_of as _shape
+from dcmha.call import check_positive_int, shapes_agree
 from dcmha.layers import cache as cache_lib
 from dcmha.layers import weights as weights_lib
 from dcmha.layers.dynamic_weights import DynamicWeightProjection
@@ -70,11 +71,6 @@ def _seeded(initializer, seed):
     return initializer.__class__.from_config(config)
 
 
-def _same_sizes(a, b):
-    """Two shapes agree where both sizes are known (None: unknown)."""
-    return len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b))
-
-
 def _int_tuple(value, ok):
     """An int or a non-empty iterable of ints, each passing ``ok``, as a tuple; else None."""
     items = (value,) if isinstance(value, (int, np.integer)) else value
@@ -111,8 +107,9 @@ def _flash_implementation(flash_attention, implementation, dropout):
                              "`implementation='ops'` rules out. Received: flash_attention=True, "
                              "implementation='ops'")
         if dropout:
-            raise ValueError("`flash_attention=True` cannot be combined with attention dropout: "
-                             f"no fused core applies it. Received: dropout={dropout!r}")
+            raise ValueError("Dropout is not supported when flash attention is enabled. "
+                             "Please set dropout to 0.0 to use flash attention. "
+                             f"Received: dropout={dropout!r}")
         return implementation
     if implementation not in ("auto", "ops"):
         raise ValueError("`flash_attention=False` asks for the plain 'ops' core, which "
@@ -143,6 +140,29 @@ def _call_flag(name, value, traced_ok=False):
         raise ValueError(f"`{name}` must be a boolean or a boolean scalar tensor. Received: "
                          f"{name} of shape {tuple(value.shape)} and dtype {dtype}")
     raise ValueError(f"`{name}` must be a boolean. Received: {name}={value!r}")
+
+
+def _check_size_argument(name, value, allow_none):
+    """``num_heads``, ``key_dim``, ``value_dim``: a positive integer (or None when
+    ``allow_none``), refused in MultiHeadAttention's words."""
+    try:
+        check_positive_int(name, value, allow_none)
+    except ValueError:
+        expected = "a positive integer or `None`" if allow_none else "a positive integer"
+        raise ValueError(f"Received an invalid value for argument `{name}`, expected "
+                         f"{expected}. Received: {name}={value!r}") from None
+
+
+def _check_key_value(value_shape, key_shape, value_text=None, key_text=None,
+                     received="{}_shape"):
+    """``value`` and ``key`` agree on every axis but the last (static sizes; None:
+    unknown), else MultiHeadAttention's ValueError. ``value_text``/``key_text``: the
+    shapes as the message shows them (default: the shapes given)."""
+    if not shapes_agree(value_shape[1:-1], key_shape[1:-1]):
+        raise ValueError("All dimensions of `value` and `key`, except the last one, must be "
+                         f"equal. Received: {received.format('value')}="
+                         f"{value_text or tuple(value_shape)} and {received.format('key')}="
+                         f"{key_text or tuple(key_shape)}")
 
 
 def _check_fits(shape, expected, message):
@@ -193,7 +213,7 @@ class _AxesLayout:
         return cls(rank, tuple(a for a in range(1, rank - 1) if a not in axes), axes)
 
     def check_batch_axes(self, query_shape, value_shape):
-        if not _same_sizes([query_shape[a] for a in self.batch_axes],
+        if not shapes_agree([query_shape[a] for a in self.batch_axes],
                            [value_shape[a] for a in self.batch_axes]):
             raise ValueError("`query` and `value` must have the same sizes on the axes outside "
                              f"`attention_axes` {self.axes}. Received: query.shape="
@@ -307,7 +327,7 @@ def _combine_masks(layout, num_heads, query, value, key, attention_mask, query_m
         if axis == -2 and has_cache:
             raise ValueError(f"`{name}` cannot be combined with a `cache`: the keys are the "
                              "cache's S_max positions; pass an `attention_mask` over them.")
-        if not hasattr(m, "shape") or not _same_sizes(_shape(m), _shape(x)[:-1]):
+        if not hasattr(m, "shape") or not shapes_agree(_shape(m), _shape(x)[:-1]):
             got = f"{name}.shape={tuple(m.shape)}" if hasattr(m, "shape") else type(m).__name__
             name_x = name.split("_")[0]
             raise ValueError(f"`{name}` must have the shape of `{name_x}` without its last "
@@ -491,6 +511,9 @@ class DCMHA(keras.layers.Layer):
         if rope_max_wavelength is not None and not math.isfinite(rope_max_wavelength):
             raise ValueError("`rope_max_wavelength` must be finite. "
                              f"Received: rope_max_wavelength={rope_max_wavelength!r}")
+        for name, v, allow_none in (("num_heads", num_heads, False), ("key_dim", key_dim, False),
+                                    ("value_dim", value_dim, True)):
+            _check_size_argument(name, v, allow_none)
         self._cfg = spec.Config(
             num_heads=num_heads, key_dim=key_dim, value_dim=value_dim,
             num_key_value_heads=num_key_value_heads, num_groups=num_groups, rank=rank,
@@ -504,8 +527,9 @@ class DCMHA(keras.layers.Layer):
         if output_shape is not None:
             output_dims = _int_tuple(output_shape, lambda n: n > 0)
             if output_dims is None:
-                raise ValueError("`output_shape` must be None, a positive integer or a tuple of "
-                                 f"positive integers. Received: output_shape={output_shape!r}")
+                raise ValueError("Invalid `output_shape`: it must be None, a positive integer or "
+                                 "a tuple of positive integers. "
+                                 f"Received: output_shape={output_shape!r}")
         if attention_axes is not None:
             axes = _int_tuple(attention_axes, lambda a: True)
             if axes is None or len(set(axes)) != len(axes):
@@ -551,6 +575,7 @@ class DCMHA(keras.layers.Layer):
     def build(self, query_shape, value_shape, key_shape=None):
         key_shape = value_shape if key_shape is None else key_shape
         shapes = dict(query=tuple(query_shape), value=tuple(value_shape), key=tuple(key_shape))
+        _check_key_value(shapes["value"], shapes["key"])
         for name, shape in shapes.items():
             if len(shape) < 3 or shape[-1] is None:
                 raise ValueError(f"DCMHA expects `{name}` of shape (B, L, D) with a known D. "
@@ -563,9 +588,6 @@ class DCMHA(keras.layers.Layer):
             raise ValueError("`query`, `value` and `key` must have the same rank. Received: "
                              f"query_shape={query_shape}, value_shape={value_shape}, "
                              f"key_shape={key_shape}")
-        if not _same_sizes(value_shape[1:-1], key_shape[1:-1]):
-            raise ValueError("`key` and `value` must have the same length. Received: "
-                             f"value_shape={value_shape}, key_shape={key_shape}")
         self._layout = _AxesLayout.create(len(query_shape), self.attention_axes)
         self._layout.check_batch_axes(query_shape, value_shape)
         c = self._cfg
@@ -655,6 +677,11 @@ class DCMHA(keras.layers.Layer):
     output_dense = property(lambda self: self._output_dense)
     gate_dense = property(lambda self: self._gate_dense)
 
+    # MultiHeadAttention's private names for two arguments, read by code written
+    # against it (Keras's own tests among it); the arguments themselves are public here.
+    _flash_attention = property(lambda self: self.flash_attention)
+    _sliding_window = property(lambda self: self.sliding_window)
+
     # The 0.1.0 attribute names of the projection weights (read-only views).
     query_kernel = property(lambda self: self._query_dense.kernel)
     key_kernel = property(lambda self: self._key_dense.kernel)
@@ -679,9 +706,9 @@ class DCMHA(keras.layers.Layer):
              cache_update_index=None, query_mask=None, value_mask=None, key_mask=None):
         return_attention_scores = _call_flag("return_attention_scores", return_attention_scores)
         if return_attention_scores and self.flash_attention:
-            raise ValueError("`return_attention_scores=True` cannot be used with "
-                             "`flash_attention=True`: fused attention cores do not return "
-                             "scores.")
+            raise ValueError("Returning attention scores is not supported when flash "
+                             "attention is enabled. Please disable flash attention to access "
+                             "attention scores.")
         y, extras, new_cache = self._forward(
             query, value, key, attention_mask=attention_mask, use_causal_mask=use_causal_mask,
             training=training, cache=cache, cache_update_index=cache_update_index,
@@ -725,9 +752,8 @@ class DCMHA(keras.layers.Layer):
                                  f"{tuple(x.shape)}")
         # Static sizes only: an exporter's symbolic sizes (torch traced sizes, jax
         # dimension variables) read as None and are not compared.
-        if not _same_sizes(_shape(value)[1:-1], _shape(key)[1:-1]):
-            raise ValueError("`key` and `value` must have the same length. Received: "
-                             f"value.shape={tuple(value.shape)}, key.shape={tuple(key.shape)}")
+        _check_key_value(_shape(value), _shape(key), tuple(value.shape), tuple(key.shape),
+                         received="{}.shape")
         if len({_shape(x)[0] for x in (query, value, key)} - {None}) > 1:
             raise ValueError("`query`, `value` and `key` must have the same batch size. "
                              f"Received: query.shape={tuple(query.shape)}, "
@@ -902,7 +928,7 @@ class DCMHA(keras.layers.Layer):
         """
         c = self._cfg
         result = dops.dcmha_attention(
-            q, k, v, num_groups=c.G, pre=terms.get("pre"), post=terms.get("post"),
+            q, k, v, num_groups=self.num_groups, pre=terms.get("pre"), post=terms.get("post"),
             attention_mask=mask, use_causal_mask=use_causal_mask,
             sliding_window=None if folded else c.sliding_window,
             query_offset=query_offset, query_chunk_size=c.query_chunk_size,
@@ -1112,6 +1138,8 @@ class DCMHA(keras.layers.Layer):
 
     # ---------------------------------------------------------------- shapes
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
+        _check_key_value(tuple(value_shape),
+                         tuple(value_shape if key_shape is None else key_shape))
         return tuple(query_shape[:-1]) + tuple(self._output_dims or (query_shape[-1],))
 
     def compute_output_spec(self, query, value, key=None, attention_mask=None,
