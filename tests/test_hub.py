@@ -197,3 +197,34 @@ def test_from_preset_takes_preprocessor_and_backbone(release_dir, tmp_path):
     with pytest.raises(ValueError, match=r"\['query_chunk_size'\] override the preset's "
                                          r"backbone, which the given `backbone` replaces"):
         DCFormerCausalLM.from_preset(release_dir, backbone=backbone, query_chunk_size=4)
+
+
+def test_backbone_takes_dcformer_lm_arguments():
+    """The backbone takes DCFormerLM's arguments (placement included), round-trips them
+    through its config, and `to_dcformer_lm` gives the same logits layer for layer."""
+    import inspect
+
+    from dcmha.models import DCFormerLM
+
+    lm_params = list(inspect.signature(DCFormerLM).parameters)
+    assert list(inspect.signature(DCFormerBackbone).parameters) == (
+        lm_params[:-1] + ["dtype", "dcmha_options"])
+    keras.utils.set_random_seed(5)
+    backbone = DCFormerBackbone(vocab_size=128, num_layers=3, hidden_dim=16, num_heads=4,
+                                dcmha_layers=[1], pre_compose=False, sliding_window=3, seed=1)
+    config = backbone.get_config()
+    assert config["dcmha_layers"] == [1] and config["pre_compose"] is False
+    assert DCFormerBackbone.from_config(config).get_config() == config
+    composing = [i for i, b in enumerate(backbone.transformer_layers)
+                 if b.attention.get_config()["post_compose"]]
+    assert composing == [1]
+    for v in backbone.weights:       # composition weights away from their initial values
+        if v.path.split("/")[-1] in ("dw1", "qkw", "dd"):
+            v.assign(0.3 * np.random.default_rng(0).standard_normal(v.shape).astype(v.dtype))
+    lm = DCFormerCausalLM(backbone)
+    want = _np(lm(IDS))
+    got = _np(backbone.to_dcformer_lm()(IDS["token_ids"]))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match=r"`dcmha_layers` lists layers \[1\] more than once"):
+        DCFormerBackbone(vocab_size=128, num_layers=3, hidden_dim=16, num_heads=4,
+                         dcmha_layers=[1, 1])

@@ -474,6 +474,22 @@ def test_as_functional_shares_weights(gen_model):
     assert functional.count_params() == gen_model.count_params()
 
 
+def test_mixed_layers_as_functional_and_onnx(tmp_path):
+    """A model with DCMHA in some layers: its functional twin shares its weights and
+    outputs, and (on jax) `dcmha.export.to_onnx` exports it exactly."""
+    model = perturb(built(DCFormerLM(**TINY, dcmha_layers=[1])), scale=0.5)
+    ids = tokens((2, 7), TINY["vocab_size"], seed=2)
+    functional = model.as_functional()
+    np.testing.assert_allclose(np_(functional(ids)), np_(model(ids)), rtol=1e-5, atol=1e-5)
+    assert functional.count_params() == model.count_params()
+    if BACKEND != "jax":
+        return                      # the export runs in tests/test_export_keras.py per backend
+    pytest.importorskip("onnxruntime")
+    from dcmha.export import to_onnx, verify
+    to_onnx(model, tmp_path / "mixed.onnx")
+    assert verify(tmp_path / "mixed.onnx", model, ids)["max_rel"] < 1e-5
+
+
 # ---------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------
