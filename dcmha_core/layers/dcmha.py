@@ -335,9 +335,10 @@ def _combine_masks(layout, num_heads, query, value, key, attention_mask, query_m
         m = ops.cast(m, "bool")
         parts.append(ops.expand_dims(layout.flatten(m, features=False), axis))
     if not isinstance(causal, bool):
-        t = dops.arange_int32(0, T)[:, None] + ops.cast(offset, "int32")
-        s = dops.arange_int32(0, S)[None, :]
-        parts.append(ops.logical_or(ops.less_equal(s, t), ops.logical_not(causal))[None])
+        # The causal mask (1, T, S) from the core's one position rule, where the flag holds.
+        visible = dops.block_mask(None, 0, T, 0, S, use_causal_mask=True, sliding_window=None,
+                                  query_offset=offset)
+        parts.append(ops.logical_or(visible, ops.logical_not(causal)))
         causal = False
     if len(parts) > 1 and mask is not None and layout.identity:
         # Combined below: check the explicit mask here, as the core would.
