@@ -25,15 +25,23 @@ disturbs less: on an idle machine the two agree, as the compiles run one at a ti
     python benchmarks/compile_time.py                       # both paths, every case
     python benchmarks/compile_time.py --paths triton --cases d128 --json out.json
     python benchmarks/compile_time.py --shapes paper        # the benchmark shapes instead
+    python benchmarks/compile_time.py --shapes heads        # M = 16 and 32 heads per group
+
+Every compiled kernel's row also carries what ptxas reports for it (``ptxas -v``, which
+Triton runs for every cubin: registers per thread, spill stores / loads and stack bytes),
+the shared memory Triton allots it and its warps; ``benchmarks/gpu_kernel_resources.py``
+derives occupancy and arithmetic bounds from them.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import platform
+import re
 import resource
 import subprocess
 import sys
@@ -46,6 +54,20 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 #: The compile target: an H100 / H200 (sm_90), 32 threads per warp.
 ARCH = 90
+
+#: The shapes of ``--shapes``, besides the test cases: name -> [(case id, sizes, call
+#: arguments)], all d = 128, bfloat16, every compose term in both stages, the kernels'
+#: default tiles. "paper": benchmarks/gpu_timings.py's (N = 16 heads in G = 2 groups, M = 8);
+#: "heads": the paper's heads per group, M = 16 and 32 (one group; N = M), causal.
+SHAPES = {
+    "paper": [(f"paper_{name}", dict(B=2, T=4096, S=4096, N=16, N_kv=16, d=128, d_v=128,
+                                     G=2, R=2), call)
+              for name, call in (("causal", dict(causal=True)),
+                                 ("window", dict(causal=True, sliding_window=256)))],
+    "heads": [(f"heads_m{M}", dict(B=2, T=4096, S=4096, N=M, N_kv=M, d=128, d_v=128, G=1,
+                                   R=2), dict(causal=True))
+              for M in (16, 32)],
+}
 
 
 def _cpu_seconds() -> float:
@@ -82,6 +104,71 @@ def conditions() -> dict:
                 python=platform.python_version(), target=f"cuda sm_{ARCH}", **versions)
 
 
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_FIELDS = {
+    "stack_bytes": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+    "registers": re.compile(r"Used (\d+) registers"),
+    "ptxas_smem": re.compile(r"(\d+) bytes smem"),
+}
+
+
+def parse_ptxas(text: str) -> dict:
+    """{entry function: {registers, spill_stores, spill_loads, stack_bytes, ptxas_smem}} from
+    the output of ``ptxas -v`` (one or more entry functions; a field ptxas leaves out is 0).
+    ``ptxas_smem`` is the static shared memory only (Triton allots it dynamically)."""
+    out, name = {}, None
+    for line in text.splitlines():
+        entry = _PTXAS_ENTRY.search(line)
+        if entry:
+            name = entry.group(1)
+            out[name] = dict.fromkeys(_PTXAS_FIELDS, 0)
+            continue
+        if name is None:
+            continue
+        for field, pattern in _PTXAS_FIELDS.items():
+            found = pattern.search(line)
+            if found:
+                out[name][field] = int(found.group(1))
+    return out
+
+
+class Compiles(Clock):
+    """``Clock`` that also keeps what ptxas reports for the kernels compiled in the block
+    (``.ptxas``: ``parse_ptxas`` of it). Triton prints the ptxas log while its
+    ``dump_ptxas_log`` knob is on; the block turns it on and keeps the printed text."""
+
+    def __enter__(self):
+        import triton
+
+        self._knob = triton.knobs.nvidia.dump_ptxas_log
+        triton.knobs.nvidia.dump_ptxas_log = True
+        self._text = io.StringIO()
+        self._redirect = contextlib.redirect_stdout(self._text)
+        self._redirect.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        import triton
+
+        super().__exit__(*exc)
+        self._redirect.__exit__(*exc)
+        triton.knobs.nvidia.dump_ptxas_log = self._knob
+        text = self._text.getvalue()
+        if exc[0] is not None:   # what Triton printed about the failure
+            sys.stderr.write(text)
+        self.ptxas = parse_ptxas(text)
+
+
+def resources(compiled, ptxas: dict) -> dict:
+    """The row fields of one compiled kernel (a ``triton.compiler.CompiledKernel``): its
+    warps, stages and shared memory, and what ptxas reported for it."""
+    md = compiled.metadata
+    return dict(num_warps=md.num_warps, num_stages=md.num_stages, shared=md.shared,
+                **ptxas.get(md.name, {}))
+
+
 def cases(which: str, select):
     """(id, problem sizes, call arguments, tiles, dtype, mask shape or None, pre, post)."""
     import kernel_cases
@@ -96,11 +183,9 @@ def cases(which: str, select):
                             mask=None if mask is None else mask.shape,
                             pre=sizes.pop("pre", kernel_cases.TERMS),
                             post=sizes.pop("post", kernel_cases.TERMS)))
-    else:   # the paper's shapes of benchmarks/gpu_timings.py: N=16, d=128, bf16, all terms
-        for name, call in (("causal", dict(causal=True)),
-                           ("window", dict(causal=True, sliding_window=256))):
-            sizes = dict(B=2, T=4096, S=4096, N=16, N_kv=16, d=128, d_v=128, G=2, R=2)
-            out.append(dict(id=f"paper_{name}", sizes=sizes, call=call, tiles=None,
+    else:
+        for cid, sizes, call in SHAPES[which]:
+            out.append(dict(id=cid, sizes=dict(sizes), call=call, tiles=None,
                             dtype="bfloat16", mask=None, pre=kernel_cases.TERMS,
                             post=kernel_cases.TERMS))
     return [c for c in out if not select or any(s in c["id"] for s in select)]
@@ -138,10 +223,16 @@ def _triton_compile_case(case, torch):
                                    return_attention_scores=True, **case["call"])
     tiles = case["tiles"]
     blocks = None if tiles is None else dcmha_triton.BlockSizes(tiles[0], tiles[1])
-    with offline.compile_only(ARCH, measure=Clock) as log:
+    with offline.compile_only(ARCH, measure=Compiles) as log:
         o, _ = dcmha_triton.dcmha_attention_call(call, block_sizes=blocks)
         o.backward(torch.zeros_like(o))
-    return log
+    # The compiled kernels, per kernel in the order of their compiles (the launches not
+    # cached), from the kernels' in-process caches.
+    compiled = {fn.__name__: list(fn.device_caches[0][0].values())
+                for fn in (dcmha_triton._fwd_kernel, dcmha_triton._bwd_query_kernel,
+                           dcmha_triton._bwd_key_kernel)}
+    return [(name, c, cached, None if cached else compiled[name].pop(0))
+            for name, c, cached in log]
 
 
 def triton_rows(selected):
@@ -149,9 +240,10 @@ def triton_rows(selected):
 
     rows = []
     for case in selected:
-        for kernel, c, cached in _triton_compile_case(case, torch):
+        for kernel, c, cached, kern in _triton_compile_case(case, torch):
             rows.append(dict(path="triton", case=case["id"], kernel=kernel,
-                             seconds=round(c.wall, 2), cpu_s=round(c.cpu, 2), cached=cached))
+                             seconds=round(c.wall, 2), cpu_s=round(c.cpu, 2), cached=cached,
+                             **({} if kern is None else resources(kern, c.ptxas))))
             print(_row_text(rows[-1]), flush=True)
     return rows
 
@@ -240,13 +332,15 @@ def pallas_rows(selected):
                     fh.write(text)
                 options = dict(num_warps=getattr(params, "num_warps", None) or 4,
                                num_stages=getattr(params, "num_stages", None) or 3)
-                with Clock() as c:
-                    triton.compile(path, target=GPUTarget("cuda", ARCH, 32), options=options)
+                with Compiles() as c:
+                    kern = triton.compile(path, target=GPUTarget("cuda", ARCH, 32),
+                                          options=options)
                 rows.append(dict(path="pallas", case=case["id"], kernel=name,
                                  seconds=round(trace.wall + lower.wall + c.wall, 2),
                                  cpu_s=round(trace.cpu + lower.cpu + c.cpu, 2),
                                  trace_s=round(trace.wall, 2), lower_s=round(lower.wall, 2),
-                                 cubin_s=round(c.wall, 2), cached=False))
+                                 cubin_s=round(c.wall, 2), cached=False,
+                                 **resources(kern, c.ptxas)))
                 print(_row_text(rows[-1]), flush=True)
     return rows
 
@@ -258,6 +352,9 @@ def _row_text(r) -> str:
         f"{r['seconds']:7.2f} s  cpu {r['cpu_s']:7.2f} s")
     parts = "".join(f"  {k[:-2]} {r[k]:.2f}" for k in ("trace_s", "lower_s", "cubin_s")
                     if k in r)
+    if "registers" in r:
+        parts += (f"  regs {r['registers']} spill {r['spill_stores']}/{r['spill_loads']} B"
+                  f"  smem {r['shared']} B  warps {r['num_warps']}")
     return f"{r['path']:7s} {r['case']:40s} {r['kernel']:22s} {what}{parts}"
 
 
@@ -299,7 +396,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--paths", default="triton,pallas", help="triton, pallas or both")
     ap.add_argument("--cases", default="", help="comma-separated substrings of case ids")
-    ap.add_argument("--shapes", choices=("tests", "paper"), default="tests")
+    ap.add_argument("--shapes", choices=("tests", *SHAPES), default="tests")
     ap.add_argument("--timeout", type=float, default=600,
                     help="seconds per case and path before it is reported as not done")
     ap.add_argument("--json", default=None)
