@@ -105,6 +105,7 @@ def conditions() -> dict:
 
 
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_FUNCTION = re.compile(r"Function properties for (\S+)")
 _PTXAS_FIELDS = {
     "stack_bytes": re.compile(r"(\d+) bytes stack frame"),
     "spill_stores": re.compile(r"(\d+) bytes spill stores"),
@@ -124,6 +125,10 @@ def parse_ptxas(text: str) -> dict:
         if entry:
             name = entry.group(1)
             out[name] = dict.fromkeys(_PTXAS_FIELDS, 0)
+            continue
+        function = _PTXAS_FUNCTION.search(line)
+        if function:   # the lines after it are of that function: an entry or a callee
+            name = function.group(1) if function.group(1) in out else None
             continue
         if name is None:
             continue
