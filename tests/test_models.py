@@ -54,13 +54,19 @@ def reference_logits(model, ids):
 
 def perturb(model, seed=0, scale=0.3):
     """Push every composition weight away from its near-identity initialisation
-    (and norms away from 1) so that a wrong composition or norm shows up."""
+    (and norms away from 1) so that a wrong composition or norm shows up. Builds an
+    unbuilt model first (it has no weights before)."""
+    if not model.built:
+        model.build((None, None))
     rng = np.random.default_rng(seed)
+    perturbed = 0
     for v in model.weights:
         name = v.path.split("/")[-1]
         if name in ("dw1", "qkw", "dd") or "scale" in name:
             base = 1.0 if "scale" in name else 0.0
             v.assign((base + scale * rng.standard_normal(v.shape)).astype(v.dtype))
+            perturbed += 1
+    assert perturbed or model.attention == "mha", "perturb changed no weight"
     return model
 
 

@@ -55,7 +55,8 @@ def steps() -> list:
                         "tests/test_checkpoints*.py", "tests/test_demo*.py",
                         "tests/test_validation*.py", "tests/test_numerics*.py",
                         "tests/test_fuzz*.py", "tests/test_determinism*.py",
-                        "tests/test_distribution*.py", "tests/test_dispatch*.py")
+                        "tests/test_distribution*.py", "tests/test_dispatch*.py",
+                        "tests/test_call*.py", "tests/test_ops*.py", "tests/test_backend*.py")
     backend_tests = {"torch": _glob("tests/test_torch_native*.py"),
                      "jax": _glob("tests/test_cpu_paths*.py"),
                      "tensorflow": _glob("tests/test_cpu_paths*.py")}
