@@ -3,7 +3,7 @@
    and how it is built and loaded, and dcmha_args.h for its argument block.
 
    Per (batch, query row, group) the forward loads the M heads' values at VL keys at a time
-   (one AVX-512 register each), applies every term in registers (residual, static and
+   (one vector register each: VL floats, 16 with AVX-512, else 8), applies every term in registers (residual, static and
    query-side terms as the per-query M x M matrix wq; key-side rank-R terms; key-side
    gating) and writes the result once. The backward recomputes the key-side hidden values and
    accumulates every term gradient in the same pass. (M, R) with M in 1, 2, 4, 8, 16 and R in
@@ -201,7 +201,14 @@ static int backward_generic(const Args *a, int64_t js) {
    (M in 1, 2, 4, 8, 16 and R in 1, 2, 4; other sizes, and the last s % VL keys, take the
    generic loops above) */
 
-#define VL 16                       /* floats per vector (one AVX-512 register) */
+/* Floats per vector: one register of the widest vector unit the build targets. A wider
+   vector than the registers (16 floats on AVX2's 256-bit registers) spills the M rows of
+   X and O to the stack in every loop below: measured 2x slower at M = 8. */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
 #define VCH 128                     /* keys per chunk (the chunk's key-side terms stay in L1) */
 typedef float vf __attribute__((vector_size(4 * VL), aligned(4)));
 #define LD(p) (*(const vf *)(p))
