@@ -9,9 +9,10 @@
 #
 # Steps (STEPS="..." runs a subset, in this order):
 #   tests        the compiled Triton kernels on every case of tests/kernel_cases.GPU_CASES and
-#                the DCMHA layer's "auto" (tests/test_gpu_triton.py, tests/test_gpu_layer.py)
-#                against the NumPy spec; dry run: the same kernels in Triton's interpreter
-#                (tests/test_triton_kernel.py, all terms + GQA + masks).
+#                the DCMHA layer's "auto" (tests/backends/test_gpu_triton.py,
+#                tests/backends/test_gpu_layer.py) against the NumPy spec; dry run: the same
+#                kernels in Triton's interpreter
+#                (tests/backends/test_triton_kernel.py, all terms + GQA + masks).
 #   torch-core   benchmarks/gpu_timings.py: the fused Triton core, forward + backward, against
 #                PyTorch SDPA (flash / cuDNN) at B*T = 8k-32k, N = 16-32, d = 128, bfloat16,
 #                causal and windowed.
@@ -46,13 +47,13 @@ if [ "$dry" = 1 ]; then
     core_args="--dry-run"
     layer_args="--batch 1 --length 32 --dim 64 --heads 4 --repeats 1 --warmup 1 --no-memory"
     triton_env="TRITON_INTERPRET=1"
-    tests="tests/test_triton_kernel.py -k all_terms"
+    tests="tests/backends/test_triton_kernel.py -k all_terms"
 else
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     core_args="--repeats 5"
     layer_args="--batch 4 --length 2048 --dim 2048 --heads 16 --groups 2 --repeats 5 --no-memory"
     triton_env="TRITON_INTERPRET=0"
-    tests="tests/test_gpu_triton.py tests/test_gpu_layer.py"
+    tests="tests/backends/test_gpu_triton.py tests/backends/test_gpu_layer.py"
 fi
 "$py" - <<'EOF' | tee "$out/versions.json"
 import importlib.metadata as md, json

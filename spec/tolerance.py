@@ -50,7 +50,7 @@ others (a multiplicative (1 + sigma) was tried first: it made bfloat16 tolerance
 
 *Why these factors.* ``c`` absorbs the number of roundings on the way (about ten stages, each
 up to a few ulp, transcendental functions of 1 to 4 ulp, float32 accumulation over at most a
-few dozen terms). Calibration (``tests/test_reference.py`` repeats it on every fixture): a
+few dozen terms). Calibration (``tests/spec/test_reference.py`` repeats it on every fixture): a
 NumPy emulation of a correct mixed-precision implementation (inputs, q, k, v, dynamic
 weights, P, O and y stored in the dtype; scores, compose and softmax in float32; also with
 float16 accumulation of the projections) is off by at most ~4 u max|y| (float16/bfloat16)
@@ -65,7 +65,7 @@ positions where w is small (the emulation reaches 0.13 of the float32 intermedia
 there). Gradients chain several more stages (softmax backward, compose backward,
 GELU/RMS-norm backward, reductions over B*T) and get 8x the output factor.
 
-*Tight enough.* ``tests/test_reference.py`` mutates the reference and checks that the cases
+*Tight enough.* ``tests/spec/test_reference.py`` mutates the reference and checks that the cases
 exercising the mutation fail. In float32, dropping one compose term, making compose terms read
 the partial sum, shifting the window or the causal diagonal by one, reading the wrong GQA head,
 skipping the w1 normalisation, the interleaved RoPE layout or dropping the QK-norm scale are

@@ -1,7 +1,9 @@
 """Shared fixtures. Keras is imported lazily: some test modules choose their own backend.
 
 The layer tests run once per Keras backend, one process each:
-``KERAS_BACKEND=jax pytest tests/test_layer*.py`` (and torch, tensorflow).
+``KERAS_BACKEND=jax pytest tests/layers`` (and torch, tensorflow; ``tools/test_all.py`` runs
+every step). Test folders are packages (``tests.layers.test_layer_api``): a shared helper is
+imported by its package path (``from tests import kernel_cases``).
 """
 
 import numpy as np

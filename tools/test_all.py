@@ -47,33 +47,39 @@ def _glob(*patterns: str) -> list:
     return files
 
 
+def _folders(*names: str) -> list:
+    """Every test module of the named folders under tests/ (tests/spec, tests/layers, ...)."""
+    return _glob(*(f"tests/{name}/test_*.py" for name in names))
+
+
 def steps() -> list:
-    """(label, environment overrides, pytest arguments or None for the conformance CLI)."""
-    out = [("spec", {}, _glob("tests/test_reference*.py", "tests/test_conformance*.py",
-                              "tests/test_untrusted*.py") + ["conformance"])]
-    keras_tests = _glob("tests/test_layer*.py", "tests/test_export*.py", "tests/test_models*.py",
-                        "tests/test_checkpoints*.py", "tests/test_demo*.py",
-                        "tests/test_validation*.py", "tests/test_numerics*.py",
-                        "tests/test_fuzz*.py", "tests/test_determinism*.py",
-                        "tests/test_distribution*.py", "tests/test_dispatch*.py",
-                        "tests/test_call*.py", "tests/test_ops*.py", "tests/test_backend*.py")
-    backend_tests = {"torch": _glob("tests/test_torch_native*.py"),
-                     "jax": _glob("tests/test_cpu_paths*.py"),
-                     "tensorflow": _glob("tests/test_cpu_paths*.py")}
+    """(label, environment overrides, pytest arguments or None for the conformance CLI).
+
+    The folders of tests/ say which steps run a module: spec and house once (no Keras
+    backend), layers, ops, export, models, checkpoints and distribution on every Keras
+    backend, hub in its own process per backend, and backends by fast path (the file's
+    name says which: test_cpu_paths*, test_torch_native*, test_triton*, ...).
+    """
+    out = [("spec", {}, _folders("spec", "house") + ["conformance"])]
+    keras_tests = _folders("layers", "ops", "export", "models", "checkpoints", "distribution")
+    backend_tests = {"torch": _glob("tests/backends/test_torch_native*.py"),
+                     "jax": _glob("tests/backends/test_cpu_paths*.py"),
+                     "tensorflow": _glob("tests/backends/test_cpu_paths*.py")}
     for b in KERAS_BACKENDS:
         out.append((f"keras-{b}", {"KERAS_BACKEND": b}, keras_tests + backend_tests.get(b, [])))
     triton_env = {"KERAS_BACKEND": "torch", "TRITON_INTERPRET": "1"}
-    out.append(("triton-interpret", triton_env, _glob("tests/test_triton*.py")))
+    out.append(("triton-interpret", triton_env, _glob("tests/backends/test_triton*.py")))
     # Its own process: the dispatch tests may import TensorFlow, after which Triton aborts.
-    out.append(("dispatch-triton", triton_env, _glob("tests/test_dispatch*.py")))
-    out.append(("pallas-interpret", {"KERAS_BACKEND": "jax"}, _glob("tests/test_pallas*.py")))
-    out.append(("tf-xla", {"KERAS_BACKEND": "tensorflow"}, _glob("tests/test_xla*.py")))
+    out.append(("dispatch-triton", triton_env, _glob("tests/ops/test_dispatch*.py")))
+    out.append(("pallas-interpret", {"KERAS_BACKEND": "jax"},
+                _glob("tests/backends/test_pallas*.py")))
+    out.append(("tf-xla", {"KERAS_BACKEND": "tensorflow"}, _glob("tests/backends/test_xla*.py")))
     # keras-hub imports TensorFlow (then Triton would abort): its own process per backend.
     for b in ("jax", "torch", "tensorflow"):
-        out.append((f"hub-{b}", {"KERAS_BACKEND": b}, _glob("tests/test_hub*.py")))
+        out.append((f"hub-{b}", {"KERAS_BACKEND": b}, _folders("hub")))
     out.append(("conformance", {}, None))
-    # Not here: tests/test_gpu_*.py run the compiled Triton / Pallas kernels and need a CUDA
-    # GPU (without one every module skips, and pytest collects nothing);
+    # Not here: tests/backends/test_gpu_*.py run the compiled Triton / Pallas kernels and
+    # need a CUDA GPU (without one every module skips, and pytest collects nothing);
     # benchmarks/gpu_check.sh runs them on a GPU machine.
     return [s for s in out if s[2] is None or s[2]]
 

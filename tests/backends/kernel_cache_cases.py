@@ -31,7 +31,7 @@ import pytest
 from dcmha.backends import cpu_kernel
 from dcmha.backends.cpu_kernel import build, calls
 from dcmha.spec import reference
-from kernel_cases import assert_close
+from tests.kernel_cases import assert_close
 
 # Tests that want the kernel's warnings record them; the others provoke them on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore::dcmha.backends.cpu_kernel.KernelWarning")

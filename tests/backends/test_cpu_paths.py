@@ -19,14 +19,14 @@ import shutil
 import numpy as np
 import pytest
 
-import kernel_cases
+from tests import kernel_cases
 
 BACKEND, PATH, core = kernel_cases.cpu_path_or_skip()
 
 from dcmha import DCMHA  # noqa: E402
 from dcmha import call as dcall  # noqa: E402
 from dcmha import registry  # noqa: E402
-from kernel_cases import assert_close, make_problem, spec_result  # noqa: E402
+from tests.kernel_cases import assert_close, make_problem, spec_result  # noqa: E402
 from keras import ops  # noqa: E402
 
 keras_core = importlib.import_module(f"dcmha.backends.{PATH}.keras_core")

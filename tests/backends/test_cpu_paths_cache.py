@@ -1,6 +1,6 @@
 """The compiled compose kernel's cache and loader (``dcmha.backends.cpu_kernel``) under the
-Keras jax and tensorflow backends: the shared cases of ``tests/kernel_cache_cases.py`` (on the
-plain C library), then the framework libraries of "jax_cpu" (XLA FFI handlers) and "tf_cpu"
+Keras jax and tensorflow backends: the shared cases of ``tests/backends/kernel_cache_cases.py``
+(on the plain C library), then the framework libraries of "jax_cpu" (XLA FFI handlers) and "tf_cpu"
 (TensorFlow ops): the framework's version is in their cache key, their two views of the
 argument block (C kernel, C++ wrapper) are checked against ctypes', and a damaged copy is
 never accepted.
@@ -17,12 +17,12 @@ import shutil
 
 import pytest
 
-from kernel_cases import cpu_path_or_skip
+from tests.kernel_cases import cpu_path_or_skip
 
 BACKEND, PATH, core = cpu_path_or_skip()
 
-from kernel_cache_cases import *  # noqa: E402,F401,F403 - the shared cases run here
-from kernel_cache_cases import _fields  # noqa: E402
+from tests.backends.kernel_cache_cases import *  # noqa: E402,F401,F403 - the shared cases run here
+from tests.backends.kernel_cache_cases import _fields  # noqa: E402
 
 from dcmha.backends import cpu_kernel  # noqa: E402
 from dcmha.backends.cpu_kernel import calls  # noqa: E402

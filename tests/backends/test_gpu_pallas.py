@@ -21,7 +21,7 @@ if jax.default_backend() != "gpu":
 
 import jax.numpy as jnp  # noqa: E402
 
-import kernel_cases  # noqa: E402
+from tests import kernel_cases  # noqa: E402
 from dcmha.backends import pallas as pb  # noqa: E402
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}

@@ -4,8 +4,8 @@ Skipped without a CUDA device. ``test_triton_kernel.py`` runs the same kernels t
 interpreter on CPU at tiny shapes; this module runs them compiled, on the cases of
 ``kernel_cases.GPU_CASES`` (several whole and partial tiles, head dims and head groups that are
 not powers of two, the GPU's tile sizes). Run it in a process of its own
-(``python -m pytest tests/test_gpu_triton.py``): Triton fixes interpreted or compiled when it
-is first imported. The whole set of GPU checks: ``benchmarks/gpu_check.sh``.
+(``python -m pytest tests/backends/test_gpu_triton.py``): Triton fixes interpreted or compiled
+when it is first imported. The whole set of GPU checks: ``benchmarks/gpu_check.sh``.
 
 Tolerances are the spec's conformance policy (``dcmha.spec.tolerance``) computed from the
 float64 spec result of the same inputs, as in the interpreter tests.
@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the compiled Triton kernels)", allow_module_level=True)
 pytest.importorskip("triton", reason="the Triton backend needs Triton")
 
-import kernel_cases  # noqa: E402
+from tests import kernel_cases  # noqa: E402
 
 kernel = importlib.import_module("dcmha.backends.triton.dcmha_triton")
 if kernel._interpreting():

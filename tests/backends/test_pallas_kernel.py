@@ -18,9 +18,9 @@ pytest.importorskip("jax.experimental.pallas", reason="the Pallas backend needs 
 
 import jax.numpy as jnp  # noqa: E402
 
-import kernel_cases  # noqa: E402
+from tests import kernel_cases  # noqa: E402
 from dcmha.backends import pallas as pb  # noqa: E402
-from kernel_cases import TERMS, assert_close  # noqa: E402
+from tests.kernel_cases import TERMS, assert_close  # noqa: E402
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
 

@@ -5,7 +5,7 @@ the attention scores' upstream gradient) of ``dcmha_attention`` are compared wit
 spec (``spec/reference.py`` and the hand-written backward of ``spec/reference_grad.py``) and
 with ``dcmha_attention_reference`` (plain PyTorch autograd, materialising). Tolerances are the
 spec's conformance policy (``dcmha.spec.tolerance``) computed from the float64 result of the
-same inputs, as in tests/test_triton_kernel.py. Then the Keras fast path ("torch" in
+same inputs, as in tests/backends/test_triton_kernel.py. Then the Keras fast path ("torch" in
 ``dcmha.ops.FAST_PATHS``): its registry contract and ``DCMHA(implementation="torch")`` against
 ``implementation="ops"``.
 
@@ -31,11 +31,11 @@ if keras.backend.backend() != "torch":
     pytest.skip("the torch-native core runs on the Keras torch backend", allow_module_level=True)
 torch = pytest.importorskip("torch")
 
-import kernel_cases  # noqa: E402
+from tests import kernel_cases  # noqa: E402
 from dcmha.backends import cpu_kernel  # noqa: E402
 from dcmha.backends import torch_native as tn  # noqa: E402
 from dcmha.backends.torch_native import blocks, dcmha_torch, keras_core  # noqa: E402
-from kernel_cases import TERMS, assert_close, spec_result  # noqa: E402
+from tests.kernel_cases import TERMS, assert_close, spec_result  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -1,6 +1,6 @@
 """The compiled compose kernel's cache and loader (``dcmha.backends.cpu_kernel``) under the
 Keras torch backend, whose "torch" core calls the kernel through ctypes: the shared cases of
-``tests/kernel_cache_cases.py`` (a verified cache, damaged and planted libraries, untrusted
+``tests/backends/kernel_cache_cases.py`` (a verified cache, damaged and planted libraries, untrusted
 directories, refused libraries, complete reasons), then the torch core itself falling back
 when the cached library is refused.
 
@@ -15,9 +15,9 @@ if keras.backend.backend() != "torch":
     pytest.skip("the torch-native core runs on the Keras torch backend", allow_module_level=True)
 torch = pytest.importorskip("torch")
 
-import kernel_cases  # noqa: E402
-from kernel_cache_cases import *  # noqa: E402,F401,F403 - the shared cases run here
-from kernel_cache_cases import plant  # noqa: E402
+from tests import kernel_cases  # noqa: E402
+from tests.backends.kernel_cache_cases import *  # noqa: E402,F401,F403 - the shared cases run here
+from tests.backends.kernel_cache_cases import plant  # noqa: E402
 
 from dcmha.backends import cpu_kernel  # noqa: E402
 from dcmha.backends.torch_native import dcmha_torch  # noqa: E402

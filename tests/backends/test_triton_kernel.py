@@ -21,10 +21,10 @@ import functools  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-import kernel_cases  # noqa: E402
+from tests import kernel_cases  # noqa: E402
 from dcmha.backends import triton as tb  # noqa: E402
 from dcmha.backends.triton import dcmha_triton  # noqa: E402
-from kernel_cases import TERMS, assert_close, spec_result  # noqa: E402
+from tests.kernel_cases import TERMS, assert_close, spec_result  # noqa: E402
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BLOCKS = dict(block_q=8, block_k=8)   # T = 11, S = 9: two partial-tile blocks each way
 

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("triton", reason="needs Triton (its ptxas and cuobjdump)")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 _CHILD = r"""

@@ -10,7 +10,7 @@ storage, as there) written by `dcmha.checkpoints.write_official_directory`
 import numpy as np
 
 from dcmha.checkpoints import write_official_directory
-from test_checkpoints import official_state_dict
+from tests.checkpoints.test_checkpoints import official_state_dict
 
 #: 2 layers, D=32, 4 heads of 8, GQA 2, QK-norm, a sliding window: small and complete.
 TINY_CONFIG = dict(vocab_size=96, n_layer=2, n_head=4, n_local_heads=2, dim=32,

@@ -1,6 +1,6 @@
 """Checkpoint directories in the authors' release layout -> DCFormerLM.
 
-Tiny directories are written here (tests/checkpoint_dir_cases.py: official
+Tiny directories are written here (tests/checkpoints/checkpoint_dir_cases.py: official
 names and shapes, the derived dw_m / qkw_m copies, qkw_m a view of qkw's
 storage in .bin files) as .bin or .safetensors, sharded or not, in bfloat16,
 float16 or float32. Loading one must give the logits of the direct state-dict
@@ -22,11 +22,11 @@ import pytest
 
 import keras
 
-import checkpoint_dir_cases as cases
+from tests.checkpoints import checkpoint_dir_cases as cases
 from dcmha.checkpoints import (from_official_state_dict, load_official_state_dict,
                                read_torch_bin, write_official_directory)
 from dcmha.models import DCFormerLM
-from test_checkpoints import official_forward
+from tests.checkpoints.test_checkpoints import official_forward
 
 IDS = np.array([[3, 17, 40, 5, 64, 9, 33], [50, 2, 8, 71, 1, 0, 95]])
 

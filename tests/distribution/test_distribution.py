@@ -220,7 +220,7 @@ def _worker():
 
 @pytest.fixture(scope="module")
 def eight_devices():
-    import device_workers
+    from tests.distribution import device_workers
     return device_workers.run(Path(__file__).resolve())
 
 

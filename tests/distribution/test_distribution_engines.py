@@ -25,7 +25,7 @@ import pytest
 
 import keras
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "distribution.md"
 #: Seconds a launch may take (all its processes together) before they are killed.
 LIMIT = 480

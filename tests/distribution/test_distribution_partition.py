@@ -151,7 +151,7 @@ def _worker():
 
 @pytest.fixture(scope="module")
 def partitioned():
-    import device_workers
+    from tests.distribution import device_workers
     return device_workers.run(Path(__file__).resolve())
 
 

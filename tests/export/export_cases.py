@@ -2,8 +2,8 @@
 float64 spec (``spec/reference.py``), and a catalogue of exported graphs whose digests show
 that an exporter change which should not change any graph changes none.
 
-    python tests/export_cases.py digests OUT.json [--export-dir DIR] [--keras]
-    python tests/export_cases.py compare A.json B.json
+    python tests/export/export_cases.py digests OUT.json [--export-dir DIR] [--keras]
+    python tests/export/export_cases.py compare A.json B.json
 
 ``digests`` writes the SHA-256 of every catalogued ModelProto (serialized; or of the error
 message where the exporter refuses the case), exported by the ``dcmha.export`` package of

@@ -15,7 +15,7 @@ ort = pytest.importorskip("onnxruntime")
 from dcmha.backends import cpu_kernel  # noqa: E402
 from dcmha.export import core, ort_ops  # noqa: E402
 from dcmha.spec import reference as ref  # noqa: E402
-from export_cases import close  # noqa: E402
+from tests.export.export_cases import close  # noqa: E402
 
 D, B = 8, 2
 

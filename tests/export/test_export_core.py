@@ -7,7 +7,7 @@ import onnx
 import pytest
 
 from dcmha.export import core
-from export_cases import CONFIGS, close
+from tests.export.export_cases import CONFIGS, close
 from dcmha.spec import reference as ref
 
 D, B, T = 8, 2, 5

@@ -12,7 +12,7 @@ pytest.importorskip("onnxruntime")
 
 from dcmha.export import core, to_onnx, verify  # noqa: E402
 from dcmha.layers import DCMHA  # noqa: E402
-from export_cases import functional_lm, rich_layer  # noqa: E402
+from tests.export.export_cases import functional_lm, rich_layer  # noqa: E402
 
 B, T, D = 2, 6, 8
 

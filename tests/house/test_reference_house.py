@@ -14,7 +14,7 @@ import ast
 
 import pytest
 
-from test_reference_imports import _modules, backend_comparisons
+from tests.house.test_reference_imports import _modules, backend_comparisons
 
 #: The modules allowed to name backends: the registry and the seam.
 NAMING_BACKENDS = ("dcmha.registry", "dcmha.backend")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: The layers of the package, bottom first: a module may import its own layer and the
 #: layers below it. A name covers its submodules; the root ``dcmha`` covers only its

@@ -15,7 +15,7 @@ pytest.importorskip("tokenizers")
 
 import keras  # noqa: E402
 
-import checkpoint_dir_cases as cases  # noqa: E402
+from tests.checkpoints import checkpoint_dir_cases as cases  # noqa: E402
 from dcmha.checkpoints import from_official_state_dict  # noqa: E402
 from dcmha.hub import (DCFormerBackbone, DCFormerCausalLM,  # noqa: E402
                        DCFormerCausalLMPreprocessor, DCFormerTokenizer)

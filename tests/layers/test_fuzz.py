@@ -15,7 +15,7 @@ Profiles (``DCMHA_FUZZ_PROFILE``):
   derandomized so every run draws the same examples; tiny shapes.
 * ``long``: 2000 examples (600 of decoding), random. Run it per backend with
 
-      DCMHA_FUZZ_PROFILE=long KERAS_BACKEND=jax pytest -q tests/test_fuzz.py
+      DCMHA_FUZZ_PROFILE=long KERAS_BACKEND=jax pytest -q tests/layers/test_fuzz.py
 
   (and torch, tensorflow). A failure prints the shrunk example and a
   ``@reproduce_failure`` blob.

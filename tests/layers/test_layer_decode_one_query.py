@@ -19,7 +19,7 @@ from dcmha.layers import DCMHA
 from dcmha.ops import plain_core
 from dcmha.spec import reference
 
-from test_layer_numerics import assert_close, np_
+from tests.layers.test_layer_numerics import assert_close, np_
 
 BACKEND = keras.backend.backend()
 #: The implementations with a one-query path on this backend (forced by name).

@@ -17,7 +17,7 @@ import keras
 
 import dcmha  # noqa: F401  (registers the classes, as a user's `import dcmha` does)
 
-HERE = Path(__file__).resolve().parent / "fixtures" / "legacy"
+HERE = Path(__file__).resolve().parents[1] / "fixtures" / "legacy"
 EXPECTED = np.load(HERE / "legacy_0_1_0.npz")
 # Outputs computed on jax's CPU; float32 on another backend differs in rounding only.
 TOL = dict(rtol=2e-5, atol=2e-5)

@@ -489,7 +489,7 @@ def test_mixed_layers_as_functional_and_onnx(tmp_path):
     np.testing.assert_allclose(np_(functional(ids)), np_(model(ids)), rtol=1e-5, atol=1e-5)
     assert functional.count_params() == model.count_params()
     if BACKEND != "jax":
-        return                      # the export runs in tests/test_export_keras.py per backend
+        return              # the export runs in tests/export/test_export_keras.py per backend
     pytest.importorskip("onnxruntime")
     from dcmha.export import to_onnx, verify
     to_onnx(model, tmp_path / "mixed.onnx")

@@ -14,7 +14,7 @@ keras = pytest.importorskip("keras")
 from keras import ops  # noqa: E402
 
 from dcmha.models import DCFormerLM  # noqa: E402
-from test_layer_decode_one_query import one_query_calls  # noqa: E402, F401 (a fixture)
+from tests.layers.test_layer_decode_one_query import one_query_calls  # noqa: E402, F401 (a fixture)
 
 LAYERS, NEW = 2, 4
 

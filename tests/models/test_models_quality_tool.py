@@ -18,7 +18,7 @@ if keras.backend.backend() != "jax":
     pytest.skip("the study tool is smoke-tested once, on the jax backend",
                 allow_module_level=True)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 
 from dcmha.conformance import load_cases
 
-TOY = Path(__file__).resolve().parent / "toy_impl"
+TOY = Path(__file__).resolve().parents[1] / "toy_impl"
 
 
 def _env():

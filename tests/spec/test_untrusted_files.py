@@ -1,5 +1,5 @@
 """Untrusted files: every crafted checkpoint, config, index, tokenizer.json and conformance
-fixture (tests/untrusted_cases.py) is refused with a ValueError (or OSError) naming the
+fixture (tests/spec/untrusted_cases.py) is refused with a ValueError (or OSError) naming the
 file, quickly and within a memory limit; valid torch-saved and safetensors files load to
 the values torch holds.
 
@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-import untrusted_cases as uc
+from tests.spec import untrusted_cases as uc
 
 MEMORY_LIMIT = 1 << 30
 ALARM_SECONDS = 10

@@ -1,4 +1,4 @@
-"""Crafted files for the untrusted-input probes (tests/test_untrusted_files.py): each
+"""Crafted files for the untrusted-input probes (tests/spec/test_untrusted_files.py): each
 generator writes one malformed file (or directory) of a class that once crashed, hung,
 allocated without bound or broke the error contract, and names the loader to run on it.
 

@@ -1,0 +1,1 @@
+"""dcmha.checkpoints: official state dicts and release-layout directories."""

@@ -1,0 +1,1 @@
+"""ONNX export (dcmha.export) and Keras's own Model.export."""

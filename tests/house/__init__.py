@@ -1,0 +1,1 @@
+"""House rules read from the source: docstrings, backend names, the import graph, generated docs tables."""

@@ -1,0 +1,1 @@
+"""The DCMHA layer (dcmha.layers): API, numerics against the spec, decoding, training, validation, determinism."""

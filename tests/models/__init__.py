@@ -1,0 +1,1 @@
+"""DCFormerLM (dcmha.models): forward, decoding, generation, optimizers, saving; the demo and the quality tool."""

@@ -1,0 +1,1 @@
+"""The NumPy spec (dcmha.spec), its tolerance policy, the conformance suite (dcmha.conformance) and untrusted inputs."""
