@@ -10,9 +10,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-#: T * S from which ``implementation="auto"`` takes a blocked CPU core ("torch",
-#: "jax_cpu", "tf_cpu") over the plain one: below it every core takes a few
-#: milliseconds, dominated by per-op overhead (see backends/torch_native/keras_core.py).
+#: T * S from which ``implementation="auto"`` takes the blocked PyTorch core ("torch") over
+#: the plain one: below it both take a few milliseconds, dominated by per-op overhead (see
+#: backends/torch_native/keras_core.py). The compiled XLA and TensorFlow paths set their own
+#: (``cpu_kernel_package``'s ``min_length_product``; RESULTS.md, "Dispatch thresholds").
 CPU_MIN_LENGTH_PRODUCT = 64 * 128
 
 
@@ -42,16 +43,17 @@ def lazy_attributes(package: str, module: str, names):
 
 
 def cpu_kernel_package(package: str, name: str, backend: str, module: str, *, priority: int,
-                       description: str):
+                       min_length_product: int, description: str):
     """(IMPLEMENTATION, is_available, __getattr__) of a blocked CPU-kernel package
-    ("jax_cpu", "tf_cpu"): registered on ``backend``'s CPU with ``CPU_KERNEL_LACKS`` and the
-    ``CPU_MIN_LENGTH_PRODUCT`` threshold; ``module`` (its kernel API) loads on first use."""
+    ("jax_cpu", "tf_cpu"): registered on ``backend``'s CPU with ``CPU_KERNEL_LACKS``, taken
+    by ``"auto"`` from T * S >= ``min_length_product``; ``module`` (its kernel API) loads on
+    first use."""
     from dcmha.registry import Implementation
 
     impl = Implementation(
         name=name, backend=backend, module=f"{package}.keras_core",
         devices=frozenset({"cpu"}), auto_devices=frozenset({"cpu"}), lacks=CPU_KERNEL_LACKS,
-        priority=priority, min_length_product=CPU_MIN_LENGTH_PRODUCT, description=description)
+        priority=priority, min_length_product=min_length_product, description=description)
 
     def is_available() -> bool:
         """True when the framework is installed (whether the kernel builds: ``load()`` of the

@@ -11,8 +11,13 @@ from dcmha.registry import Implementation
 __all__ = ["IMPLEMENTATION", "DECODE_IMPLEMENTATION", "dcmha_attention",
            "dcmha_attention_reference", "is_available"]
 
+#: T * S from which "auto" takes this path: one layer's training step under XLA is faster
+#: than the plain core's from T = S = 16 (RESULTS.md, "Dispatch thresholds").
+MIN_LENGTH_PRODUCT = 16 * 16
+
 IMPLEMENTATION, is_available, __getattr__ = cpu_kernel_package(
     __name__, "jax_cpu", "jax", "dcmha_jax_cpu", priority=10,
+    min_length_product=MIN_LENGTH_PRODUCT,
     description="XLA blocks whose composes run in the compiled C kernel (jax.ffi)")
 
 #: One decoding step (T = 1): the plain core's one-query path with both composes run by the

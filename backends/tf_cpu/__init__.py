@@ -14,8 +14,13 @@ from dcmha.backends import cpu_kernel_package
 
 __all__ = ["IMPLEMENTATION", "dcmha_attention", "dcmha_attention_reference", "is_available"]
 
+#: T * S from which "auto" takes this path: one layer's training step is faster than the
+#: plain core's from T = S = 64; below it they are even (RESULTS.md, "Dispatch thresholds").
+MIN_LENGTH_PRODUCT = 64 * 64
+
 IMPLEMENTATION, is_available, __getattr__ = cpu_kernel_package(
     __name__, "tf_cpu", "tensorflow", "dcmha_tf_cpu", priority=20,
+    min_length_product=MIN_LENGTH_PRODUCT,
     description="TensorFlow blocks whose composes run in the compiled C kernel (custom ops)")
 
 

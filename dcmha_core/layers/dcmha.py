@@ -59,18 +59,6 @@ def readable_value(x):
     return seam.readable_value(x)
 
 
-def _seeded(initializer, seed):
-    """A fresh copy of ``initializer``, seeded with ``seed`` if it has no seed.
-
-    Keras initializers are stateless once seeded, so each variable gets its own
-    copy (and its own seed) to avoid identical values.
-    """
-    config = initializer.get_config()
-    if seed is not None and "seed" in config and config["seed"] is None:
-        config["seed"] = seed
-    return initializer.__class__.from_config(config)
-
-
 def _int_tuple(value, ok):
     """An int or a non-empty iterable of ints, each passing ``ok``, as a tuple; else None."""
     items = (value,) if isinstance(value, (int, np.integer)) else value
@@ -616,8 +604,10 @@ class DCMHA(keras.layers.Layer):
             layer = keras.layers.EinsumDense(
                 equation, output_shape=(None,) + tuple(out),
                 bias_axes=bias_axes if c.use_bias else None, activation=activation,
-                kernel_initializer=_seeded(self.kernel_initializer, seed(i)),
-                bias_initializer=_seeded(self.bias_initializer, seed(i + 4)), name=name,
+                kernel_initializer=weights_lib.fresh_initializer(self.kernel_initializer,
+                                                                      seed=seed(i)),
+                bias_initializer=weights_lib.fresh_initializer(self.bias_initializer,
+                                                                  seed=seed(i + 4)), name=name,
                 **common)
             # The inputs may carry Keras masks, which this layer consumes; the
             # projection passes them on like Dense instead of warning.

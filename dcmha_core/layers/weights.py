@@ -17,6 +17,21 @@ from keras import ops
 FROM_MHA_FIXED = ("num_heads", "key_dim", "value_dim", "num_key_value_heads", "use_bias",
                   "use_gate", "output_shape", "attention_axes")
 
+def fresh_initializer(initializer, *, offset=0, seed=None):
+    """A new instance of ``initializer`` (an instance or anything
+    ``keras.initializers.get`` takes) for one more variable: a seeded initializer gets its
+    seed + ``offset``, an unseeded one ``seed`` (when given). One seeded initializer used
+    for two variables would give them identical values."""
+    initializer = keras.initializers.get(initializer)
+    config = initializer.get_config()
+    if "seed" in config:
+        if config["seed"] is not None:
+            config["seed"] = int(config["seed"]) + offset
+        elif seed is not None:
+            config["seed"] = seed
+    return initializer.__class__.from_config(config)
+
+
 #: The weights of each ``DynamicWeightProjection``, by their canonical names.
 _DYNAMIC = ("dw1", "qkw", "dd")
 

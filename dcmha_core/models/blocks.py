@@ -16,6 +16,7 @@ from keras import ops
 
 from dcmha.call import check_positive_int
 from dcmha.layers import DCMHA
+from dcmha.layers.weights import fresh_initializer
 from dcmha.models.config import default_intermediate_dim, serialize_arguments
 
 __all__ = ["RMSNorm", "SwiGLU", "DCFormerBlock", "decoder_blocks", "fresh_initializer"]
@@ -25,16 +26,6 @@ _register = keras.saving.register_keras_serializable(package="dcmha")
 #: RMSNorm x * rsqrt(mean(x**2) + eps) * scale. Keras's own layer computes exactly
 #: that (in at least float32), so the models use it rather than a copy.
 RMSNorm = keras.layers.RMSNormalization
-
-
-def fresh_initializer(initializer, offset=0):
-    """A new instance of `initializer`; a seeded one gets seed + offset, because
-    one seeded initializer used twice gives two identical tensors."""
-    config = keras.initializers.serialize(keras.initializers.get(initializer))
-    inner = config.get("config", {}) if isinstance(config, dict) else {}
-    if inner.get("seed") is not None:
-        inner["seed"] = int(inner["seed"]) + offset
-    return keras.initializers.get(config)
 
 
 @_register
@@ -62,7 +53,7 @@ class SwiGLU(keras.layers.Layer):
         def dense(units, name, shape, offset):
             layer = keras.layers.Dense(
                 units, use_bias=False, name=name, dtype=self.dtype_policy,
-                kernel_initializer=fresh_initializer(self.kernel_initializer, offset))
+                kernel_initializer=fresh_initializer(self.kernel_initializer, offset=offset))
             layer.build(shape)
             return layer
 
@@ -172,7 +163,7 @@ def decoder_blocks(config, *, kernel_initializer, norm_eps, dtype=None):
     block i's SwiGLU kernels from a fresh copy of ``kernel_initializer`` (seed + 10 i)."""
     return [DCFormerBlock(config["num_heads"], key_dim=config["head_dim"],
                           intermediate_dim=config["intermediate_dim"], norm_eps=float(norm_eps),
-                          kernel_initializer=fresh_initializer(kernel_initializer, 10 * i),
+                          kernel_initializer=fresh_initializer(kernel_initializer, offset=10 * i),
                           attention_options=config["layer_options"](i), name=f"layers_{i}",
                           dtype=dtype)
             for i in range(config["num_layers"])]

@@ -108,7 +108,7 @@ class DCFormerLM(keras.Model):
 
     # ---- configuration -------------------------------------------------
     def _initializer(self, offset=0):
-        return fresh_initializer(self.kernel_initializer, offset)
+        return fresh_initializer(self.kernel_initializer, offset=offset)
 
     def layer_sliding_windows(self):
         """The sliding window of each layer (None = global), e.g. [64, None, 64, None]."""
