@@ -56,8 +56,8 @@ DECLARED = {
     "torch_decode": ("torch", {"cpu", "gpu"}, {"cpu"}, 15, 0),
     "triton": ("torch", {"gpu"}, {"gpu"}, 20, 0),
     "pallas": ("jax", {"cpu", "gpu", "tpu"}, {"gpu"}, 20, 0),
-    "jax_cpu": ("jax", {"cpu"}, {"cpu"}, 10, 8192),
-    "tf_cpu": ("tensorflow", {"cpu"}, {"cpu"}, 20, 8192),
+    "jax_cpu": ("jax", {"cpu"}, {"cpu"}, 10, 256),
+    "tf_cpu": ("tensorflow", {"cpu"}, {"cpu"}, 20, 4096),
     "xla": ("tensorflow", {"cpu", "gpu"}, {"cpu", "gpu"}, 10, 0),
     "tf_decode": ("tensorflow", {"cpu", "gpu"}, {"cpu"}, 25, 0),
     "jax_decode": ("jax", {"cpu"}, {"cpu"}, 15, 0),
@@ -66,7 +66,7 @@ CAPABILITIES = ["attention_scores", "dropout", "head_masks", "intermediates", "q
                 "symbolic_shapes", "traced_offset"]
 
 AUTO_GPU_ONLY = "'auto' takes it on gpu, not on cpu"
-AUTO_SMALL = "'auto' takes it from T * S >= 8192; this call has T * S = {}"
+AUTO_SMALL = "'auto' takes it from T * S >= {}; this call has T * S = {}"
 SMALL, LARGE = 6, 96                       # T = S: T * S = 36 and 9216
 
 
@@ -397,18 +397,23 @@ def _kernel_row(name):
                                      f"{core.unavailable_reason()}")
 
 
+def _small(name, size):
+    """Why "auto" passes over the built-in ``name`` for ``describe(T=size)``: too short."""
+    return AUTO_SMALL.format(DECLARED[name][4], size * size)
+
+
 def expected_rows(size):
     """explain's rows for ``describe(T=size)``, eager, on CPU."""
     small = size == SMALL
     if BACKEND == "jax":
         rows = [("pallas", AUTO_GPU_ONLY), ("jax_decode", "not preferred for this call"),
-                ("jax_cpu", AUTO_SMALL.format(size * size) if small else _kernel_row("jax_cpu"))]
+                ("jax_cpu", _small("jax_cpu", size) if small else _kernel_row("jax_cpu"))]
     elif BACKEND == "torch":
         rows = [("triton", AUTO_GPU_ONLY), ("torch_decode", "not preferred for this call"),
-                ("torch", AUTO_SMALL.format(size * size) if small else None)]
+                ("torch", _small("torch", size) if small else None)]
     elif BACKEND == "tensorflow":
         rows = [("tf_decode", "not preferred for this call"),
-                ("tf_cpu", AUTO_SMALL.format(size * size) if small else _kernel_row("tf_cpu"))]
+                ("tf_cpu", _small("tf_cpu", size) if small else _kernel_row("tf_cpu"))]
         if rows[-1][1] is not None:       # eager: "xla" only when TensorFlow traces a graph
             rows.append(("xla", "not preferred for this call"))
     else:
@@ -445,7 +450,7 @@ def test_explain_in_a_traced_tensorflow_function():
     x = np.zeros((1, SMALL, 2, 4), np.float32)
     tf.function(lambda a: rows.append(dops.explain_implementation(a, a, a)) or a)(x)
     assert rows == [[("tf_decode", "not preferred for this call"),
-                     ("tf_cpu", AUTO_SMALL.format(SMALL * SMALL)), ("xla", None)]]
+                     ("tf_cpu", _small("tf_cpu", SMALL)), ("xla", None)]]
     # One query (a decoding step) traced into a graph: the compiled one-query step.
     rows.clear()
     q = np.zeros((1, 1, 2, 4), np.float32)
@@ -462,7 +467,7 @@ def test_auto_checks_the_declared_rules_before_the_module(toy):
     # its kernel in unsupported()), neither by select nor by explain nor by the layer.
     small, dropout = describe(), describe(T=LARGE, training=True, dropout_rate=0.5)
     assert registry.select("auto", small)[0] != "toy"
-    assert registry.explain(small)[:2] == [("toy", AUTO_SMALL.format(SMALL * SMALL)),
+    assert registry.explain(small)[:2] == [("toy", AUTO_SMALL.format(64 * 128, SMALL * SMALL)),
                                            ("toy_gpu", AUTO_GPU_ONLY)]
     assert registry.explain(dropout)[0] == (
         "toy", "the call needs attention dropout (dropout_rate=0.5 in training), which it "
