@@ -123,7 +123,8 @@ def test_looped_chunks_match_unrolled(rng, monkeypatch, kwargs):
     mask = rng.random((2, 23, 23)) > 0.2
     mask[1, 3] = False                                    # one fully masked row
     layers = [DCMHA(num_heads=4, key_dim=8, seed=3, **kwargs, **extra)
-              for extra in (dict(implementation="ops"), dict(query_chunk_size=2))]
+              for extra in (dict(implementation="ops"),
+                            dict(implementation="ops", query_chunk_size=2))]
     for layer in layers:
         layer.build(x.shape, x.shape)
     weights = {n: w * (5.0 if n in ("qkw", "dd") else 1.0)
