@@ -99,6 +99,29 @@ def _junit_counts(path: Path) -> dict:
     return counts
 
 
+def _junit_times(path: Path) -> list:
+    """(seconds, test id) of every testcase in a junit XML report (pytest's ``time``:
+    setup, call and teardown), the id as pytest prints it (path::name)."""
+    if not path.exists():
+        return []
+    out = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        classname, name = case.get("classname", ""), case.get("name", "")
+        # pytest writes "tests.layers.test_x" (or "tests.layers.test_x.TestClass").
+        parts = classname.split(".")
+        for i in range(len(parts), 0, -1):
+            module = Path(*parts[:i]).with_suffix(".py")
+            if (ROOT / module).exists():
+                classname = "::".join([module.as_posix(), *parts[i:]])
+                break
+        out.append((float(case.get("time", 0) or 0), f"{classname}::{name}"))
+    return out
+
+
+#: How many of the run's slowest tests the summary lists.
+SLOWEST = 10
+
+
 #: Rough step durations (seconds, 2-core machine, two steps at a time) for ordering the
 #: steps longest first.
 _EXPECTED_SECONDS = {"keras-jax": 960, "conformance": 850, "keras-tensorflow": 330,
@@ -147,8 +170,10 @@ def run_step(label: str, env_over: dict, args, tmp: Path, capture: bool = False,
             # The CLI's --json report: {"summary": {"passed", "failed", "skipped"}, "results"}.
             summary = json.loads(report.read_text()).get("summary", {})
             counts = {k: int(summary.get(k, 0)) for k in counts}
+        times = []
     else:
         counts = _junit_counts(report)
+        times = _junit_times(report)
     status = "ok"
     if rc == 5:
         status = "error: collected no tests (pytest exit 5)"
@@ -156,7 +181,9 @@ def run_step(label: str, env_over: dict, args, tmp: Path, capture: bool = False,
         status = f"failed (exit {rc})"
     elif counts["passed"] == 0:
         status = "error: nothing passed"
-    return dict(label=label, rc=rc, status=status, seconds=round(elapsed, 1), **counts)
+    slowest = sorted(times, reverse=True)[:SLOWEST]
+    return dict(label=label, rc=rc, status=status, seconds=round(elapsed, 1), slowest=slowest,
+                **counts)
 
 
 def main(argv=None) -> int:
@@ -205,6 +232,12 @@ def main(argv=None) -> int:
     bad = [r for r in results if r["status"] != "ok"]
     failed = total["failed"] + (len(bad) if total["failed"] == 0 else 0)
     print(f"{total['passed']} passed, {failed} failed, {total['skipped']} skipped")
+    slowest = sorted(((t, r["label"], test) for r in results for t, test in r["slowest"]),
+                     reverse=True)[:SLOWEST]
+    if slowest:
+        print(f"\n===== the {len(slowest)} slowest tests (seconds, step, test)")
+        for t, label, test in slowest:
+            print(f"{t:8.1f}  {label:<18} {test}")
     return 1 if bad else 0
 
 
