@@ -40,8 +40,9 @@ Building
 --------
 ``build_library(recipe)`` compiles on first use with the system compilers: ``$CC`` (else
 ``cc``, ``gcc``, ``clang``) for the kernel (``-O3 -march=native -ffp-contract=fast``,
-``build._OPT``), ``$CXX`` (else ``c++``, ``g++``, ``clang++``) for the wrappers. A ``$CC`` / ``$CXX`` with arguments
-(``"ccache gcc"``, ``"gcc -m32"``) is split like a shell command line and used whole; one
+``build._OPT``), ``$CXX`` (else ``c++``, ``g++``, ``clang++``) for the wrappers. A ``$CC`` /
+``$CXX`` with arguments (``"ccache gcc"``, ``"gcc -m32"``) is split like a shell command line
+and used whole; one
 that names no program is refused with the reason (never replaced by another compiler).
 Libraries live in a cache directory verified before every load (``cache`` says where and
 how). A loaded library must export the recipe's symbols, and its view of ``Args`` (size,
