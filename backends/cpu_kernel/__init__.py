@@ -42,8 +42,8 @@ Building
 ``cc``, ``gcc``, ``clang``) for the kernel (``-O3 -march=native -ffp-contract=fast``,
 ``build._OPT``), ``$CXX`` (else ``c++``, ``g++``, ``clang++``) for the wrappers. A ``$CC`` /
 ``$CXX`` with arguments (``"ccache gcc"``, ``"gcc -m32"``) is split like a shell command line
-and used whole; one
-that names no program is refused with the reason (never replaced by another compiler).
+and used whole; one that names no program is refused with the reason (never replaced by
+another compiler).
 Libraries live in a cache directory verified before every load (``cache`` says where and
 how). A loaded library must export the recipe's symbols, and its view of ``Args`` (size,
 and each field's offset and size, as compiled by the C compiler and, in the wrappers, by the
