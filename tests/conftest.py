@@ -10,6 +10,13 @@ import numpy as np
 import pytest
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "backend_independent: the test never touches the Keras backend (no Keras "
+        "tensor, layer or op): tools/test_all.py runs it once, in the keras-numpy step, and "
+        "deselects it in the other Keras backends' steps (-m 'not backend_independent')")
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

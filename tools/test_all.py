@@ -38,6 +38,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 KERAS_BACKENDS = ("jax", "torch", "tensorflow", "numpy")
+#: The Keras backend whose step runs the tests marked ``backend_independent`` (see
+#: tests/conftest.py); the other Keras backends' steps deselect them.
+ONCE_BACKEND = "numpy"
 #: Adapters that CI holds to the fixtures (each runs in its own worker process).
 CONFORMANCE_BACKENDS = "all"      # every adapter, and every implementation that runs here
 
@@ -57,8 +60,9 @@ def steps() -> list:
 
     The folders of tests/ say which steps run a module: spec and house once (no Keras
     backend), layers, ops, export, models, checkpoints and distribution on every Keras
-    backend, hub in its own process per backend, and backends by fast path (the file's
-    name says which: test_cpu_paths*, test_torch_native*, test_triton*, ...).
+    backend (those marked ``backend_independent`` only in keras-numpy), hub in its own
+    process per backend, and backends by fast path (the file's name says which:
+    test_cpu_paths*, test_torch_native*, test_triton*, ...).
     """
     out = [("spec", {}, _folders("spec", "house") + ["conformance"])]
     keras_tests = _folders("layers", "ops", "export", "models", "checkpoints", "distribution")
@@ -66,7 +70,10 @@ def steps() -> list:
                      "jax": _glob("tests/backends/test_cpu_paths*.py"),
                      "tensorflow": _glob("tests/backends/test_cpu_paths*.py")}
     for b in KERAS_BACKENDS:
-        out.append((f"keras-{b}", {"KERAS_BACKEND": b}, keras_tests + backend_tests.get(b, [])))
+        # Tests that touch no Keras tensor run once, in the cheapest backend's step.
+        once = [] if b == ONCE_BACKEND else ["-m", "not backend_independent"]
+        out.append((f"keras-{b}", {"KERAS_BACKEND": b},
+                    once + keras_tests + backend_tests.get(b, [])))
     triton_env = {"KERAS_BACKEND": "torch", "TRITON_INTERPRET": "1"}
     out.append(("triton-interpret", triton_env, _glob("tests/backends/test_triton*.py")))
     # Its own process: the dispatch tests may import TensorFlow, after which Triton aborts.

@@ -2,7 +2,8 @@
 onnxruntime runs as the compiled compose kernel where ``dcmha.export.ort_ops`` is registered.
 
 Each graph runs twice: with the kernel (``core.session``'s default) and with the nodes'
-plain-op bodies (``compose_kernel=False``); both against ``spec/reference.py``.
+plain-op bodies (``compose_kernel=False``); both against ``spec/reference.py``. Nothing
+here touches the Keras backend: tools/test_all.py runs the module once (keras-numpy).
 """
 
 import numpy as np
@@ -16,6 +17,8 @@ from dcmha.backends import cpu_kernel  # noqa: E402
 from dcmha.export import core, ort_ops  # noqa: E402
 from dcmha.spec import reference as ref  # noqa: E402
 from tests.export.export_cases import close  # noqa: E402
+
+pytestmark = pytest.mark.backend_independent
 
 D, B = 8, 2
 

@@ -1,4 +1,7 @@
-"""The framework-free ONNX writer (dcmha.export.core) against spec/reference.py."""
+"""The framework-free ONNX writer (dcmha.export.core) against spec/reference.py.
+
+Nothing here touches the Keras backend: tools/test_all.py runs the module once (keras-numpy).
+"""
 
 import os
 
@@ -9,6 +12,8 @@ import pytest
 from dcmha.export import core
 from tests.export.export_cases import CONFIGS, close
 from dcmha.spec import reference as ref
+
+pytestmark = pytest.mark.backend_independent
 
 D, B, T = 8, 2, 5
 

@@ -1,7 +1,8 @@
 """``dcmha.call``: the frozen description of an attention call, its checks and helpers.
 
-``describe`` reads shapes and dtype names only, so most cases use NumPy arrays; the cases
-that read a dtype's name also run on the tensors of the process's Keras backend
+``describe`` reads shapes and dtype names only, so most cases use NumPy arrays (marked
+``backend_independent``: tools/test_all.py runs them once, in the keras-numpy step); the
+cases that read a dtype's name also run on the tensors of the process's Keras backend
 (KERAS_BACKEND=jax|torch|tensorflow|numpy), whose dtype objects differ.
 """
 
@@ -34,16 +35,19 @@ def raises(error, message):
 # check_positive_int
 # ---------------------------------------------------------------------------
 
+@pytest.mark.backend_independent
 @pytest.mark.parametrize("value", [1, 7, np.int32(3), np.int64(2)])
 def test_check_positive_int_accepts(value):
     assert dcall.check_positive_int("size", value) is None
     assert dcall.check_positive_int("size", value, allow_none=True) is None
 
 
+@pytest.mark.backend_independent
 def test_check_positive_int_accepts_none_when_allowed():
     assert dcall.check_positive_int("size", None, allow_none=True) is None
 
 
+@pytest.mark.backend_independent
 @pytest.mark.parametrize("value", [0, -3, 2.0, True, False, "4", None, np.int64(0), [2]])
 def test_check_positive_int_refuses(value):
     with raises(ValueError, f"`size` must be a positive integer. Received: size={value!r}"):
@@ -58,6 +62,7 @@ def test_check_positive_int_refuses(value):
 # shapes_agree and shape_of
 # ---------------------------------------------------------------------------
 
+@pytest.mark.backend_independent
 @pytest.mark.parametrize("a, b, agree", [
     ((), (), True), ((2, 3), (2, 3), True), ((2, 3), [2, 3], True),
     ((2, None), (2, 5), True), ((None, 3), (4, None), True), ((None,), (None,), True),
@@ -68,6 +73,7 @@ def test_shapes_agree(a, b, agree):
     assert dcall.shapes_agree(b, a) is agree
 
 
+@pytest.mark.backend_independent
 def test_shape_of():
     assert dcall.shape_of(f32(2, 3)) == (2, 3)
 
@@ -77,6 +83,7 @@ def test_shape_of():
     assert dcall.shape_of(Symbolic()) == (2, None, None, None, 4)
 
 
+@pytest.mark.backend_independent
 @pytest.mark.parametrize("batch, heads, length, block_bytes, smallest, largest", [
     (1, 1, 1, 4 * 1024, 16, 1024), (1, 1, 1, 4 * 100, 16, 1024), (2, 4, 64, 4 * 2048, 16, 1024),
     (1, 1, 1, 1, 16, 1024), (1, 1, 1, 4 * 5000, 16, None), (1, 1, 1, 4 * 5000, 16, 256),
@@ -95,6 +102,7 @@ def test_block_rows(batch, heads, length, block_bytes, smallest, largest):
 # describe: the description
 # ---------------------------------------------------------------------------
 
+@pytest.mark.backend_independent
 def test_describe_sizes_and_defaults():
     call = dcall.describe(Q, K, V, num_groups=3)
     assert (call.B, call.T, call.S, call.N, call.N_kv, call.d, call.d_v) == (
@@ -107,6 +115,7 @@ def test_describe_sizes_and_defaults():
         call.T = 4
 
 
+@pytest.mark.backend_independent
 def test_describe_terms_and_ranks():
     G, M = 3, 2
     pre = {"qw1": f32(B, T, G, 2, M), "qw2": f32(B, T, G, 2, M), "kdd": f32(B, S, G, M)}
@@ -120,6 +129,7 @@ def test_describe_terms_and_ranks():
     assert dcall.describe(Q, K, V, pre={}, post=None).stages == {}
 
 
+@pytest.mark.backend_independent
 @pytest.mark.parametrize("kwargs, needs", [
     (dict(return_attention_scores=True), {"attention_scores"}),
     (dict(return_intermediates=True), {"intermediates"}),
@@ -138,6 +148,7 @@ def test_describe_needs(kwargs, needs):
     assert call.needs <= registry.CAPABILITIES
 
 
+@pytest.mark.backend_independent
 def test_describe_unknown_sizes_need_symbolic_shapes():
     class Symbolic:
         def __init__(self, shape):
@@ -149,6 +160,7 @@ def test_describe_unknown_sizes_need_symbolic_shapes():
     assert call.needs == frozenset({"symbolic_shapes"})
 
 
+@pytest.mark.backend_independent
 @pytest.mark.parametrize("kwargs, mask_kind, offset", [
     (dict(attention_mask=np.ones((T, S), np.int32)), "shared", 0),
     (dict(attention_mask=np.ones((B, N, T, S), bool)), "per_head", 0),
@@ -160,6 +172,7 @@ def test_describe_mask_kind_and_offset(kwargs, mask_kind, offset):
     assert call.mask_kind == mask_kind and call.static_offset == offset
 
 
+@pytest.mark.backend_independent
 def test_describe_one_query():
     q1 = f32(B, 1, N, d)
     assert dcall.describe(q1, K, V).one_query
@@ -169,6 +182,7 @@ def test_describe_one_query():
         assert not dcall.describe(q1, K, V, **kwargs).one_query
 
 
+@pytest.mark.backend_independent
 def test_arguments_round_trip():
     kwargs = dict(num_groups=3, pre={"qdd": f32(B, T, 3, 2)}, post=None,
                   attention_mask=np.ones((B, T, S), bool), use_causal_mask=True,
@@ -278,6 +292,7 @@ BAD = [
 ]
 
 
+@pytest.mark.backend_independent
 @pytest.mark.parametrize("args, kwargs, error, message", BAD)
 def test_describe_refuses(args, kwargs, error, message):
     with raises(error, message):

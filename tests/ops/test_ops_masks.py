@@ -7,7 +7,9 @@ absolute position pos(t) = query_offset + t, key s at s; causal keeps s <= pos(t
 W keeps |pos(t) - s| < W; a caller's mask (True = attend) is and-ed in. The spec's own
 ``make_mask`` is checked against the same rule. Masks are booleans, compared exactly.
 
-Runs on the Keras backend of the process (KERAS_BACKEND=jax|torch|tensorflow|numpy).
+Runs on the Keras backend of the process (KERAS_BACKEND=jax|torch|tensorflow|numpy); the
+checks of the spec's own mask and of ``key_range`` with integer offsets touch no Keras
+tensor (marked ``backend_independent``: tools/test_all.py runs them once, in keras-numpy).
 """
 
 import itertools
@@ -51,6 +53,7 @@ def expected(B, rule, block, attention_mask=None):
     return out[:, t0:t1, s0:s1]
 
 
+@pytest.mark.backend_independent
 @pytest.mark.parametrize("rule", RULES)
 def test_the_spec_mask_is_the_rule(rule, rng):
     m = rng.random((2, T, S)) < 0.6
@@ -73,6 +76,7 @@ def test_block_mask_follows_the_position_rule(rule, block):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.backend_independent
 def test_block_mask_without_a_rule_or_a_mask_is_none():
     assert masks.block_mask(None, 0, T, 0, S, use_causal_mask=False, sliding_window=None,
                             query_offset=3) is None
@@ -175,6 +179,7 @@ def test_visible_rows(shape, rng):
 # key_range
 # ---------------------------------------------------------------------------
 
+@pytest.mark.backend_independent
 @pytest.mark.parametrize("block", [b[:2] for b in BLOCKS])
 @pytest.mark.parametrize("rule", RULES + [dict(use_causal_mask=False, sliding_window=None,
                                                 query_offset=0)])
