@@ -161,8 +161,11 @@ def _call(T, S, **extra):
 
 @needs_kernel
 def test_auto_dispatch_rules():
+    # From T * S >= the package's MIN_LENGTH_PRODUCT (RESULTS.md, "Dispatch thresholds").
+    threshold = importlib.import_module(f"dcmha.backends.{PATH}").MIN_LENGTH_PRODUCT
     assert registry.select("auto", _call(64, 128))[0] == PATH
-    assert registry.select("auto", _call(16, 16))[0] == "ops"       # small
+    assert registry.select("auto", _call(threshold // 16, 16))[0] == PATH
+    assert registry.select("auto", _call(threshold // 16 - 1, 16))[0] == "ops"   # small
     # What the registration declares it lacks: refused by dcmha.registry.
     for extra, reason in [
             (dict(return_attention_scores=True),
