@@ -24,6 +24,24 @@ CPU_KERNEL_LACKS = frozenset({"attention_scores", "intermediates", "dropout", "h
                               "traced_offset", "symbolic_shapes"})
 
 
+#: What the decoding-step paths ("jax_decode", "torch_decode", "tf_decode") cannot do: they
+#: run one query (T = 1) without the spec's intermediates or dropout, on concrete shapes.
+DECODE_LACKS = frozenset({"intermediates", "dropout", "symbolic_shapes"})
+
+
+def decode_implementation(name: str, backend: str, module: str, *, devices, priority: int,
+                          description: str):
+    """The registration of a decoding-step path: ``module`` runs one-query calls of
+    ``backend`` on ``devices``; ``"auto"`` takes it for one-query calls on CPU, and other
+    calls go to the plain core ("ops")."""
+    from dcmha.registry import Implementation
+
+    return Implementation(
+        name=name, backend=backend, module=module, devices=frozenset(devices),
+        auto_devices=frozenset({"cpu"}), lacks=DECODE_LACKS, one_query_only=True,
+        priority=priority, description=description)
+
+
 def installed(module: str) -> bool:
     """Whether ``module`` can be imported (without importing it)."""
     return importlib.util.find_spec(module) is not None

@@ -5,8 +5,7 @@ on first use of one of its names. See ``dcmha_jax_cpu`` for the API and
 ``keras_core`` for the Keras fast path (``DCMHA(implementation="jax_cpu")``).
 """
 
-from dcmha.backends import cpu_kernel_package
-from dcmha.registry import Implementation
+from dcmha.backends import cpu_kernel_package, decode_implementation
 
 __all__ = ["IMPLEMENTATION", "DECODE_IMPLEMENTATION", "dcmha_attention",
            "dcmha_attention_reference", "is_available"]
@@ -23,10 +22,7 @@ IMPLEMENTATION, is_available, __getattr__ = cpu_kernel_package(
 #: One decoding step (T = 1): the plain core's one-query path with both composes run by the
 #: compiled kernel (``decode``): "auto" takes it for one-query calls on CPU; other calls go
 #: to "ops".
-DECODE_IMPLEMENTATION = Implementation(
-    name="jax_decode", backend="jax", module="dcmha.backends.jax_cpu.decode",
-    devices=frozenset({"cpu"}), auto_devices=frozenset({"cpu"}),
-    lacks=frozenset({"intermediates", "dropout", "symbolic_shapes"}), one_query_only=True,
-    priority=15,
+DECODE_IMPLEMENTATION = decode_implementation(
+    "jax_decode", "jax", "dcmha.backends.jax_cpu.decode", devices={"cpu"}, priority=15,
     description="one decoding step (T = 1): the plain one-query path with its composes in "
                 "the compiled C kernel (jax.ffi); other calls run the plain core")

@@ -15,7 +15,7 @@ first lookup.
 import importlib.util
 
 from dcmha import backend as seam
-from dcmha.backends import CPU_MIN_LENGTH_PRODUCT, lazy_attributes
+from dcmha.backends import CPU_MIN_LENGTH_PRODUCT, decode_implementation, lazy_attributes
 from dcmha.registry import Implementation
 
 __all__ = ["IMPLEMENTATION", "DECODE_IMPLEMENTATION", "dcmha_attention", "dcmha_attention_reference", "default_block_q", "is_available"]
@@ -39,13 +39,10 @@ IMPLEMENTATION = Implementation(
 
 #: One decoding step (T = 1) in plain PyTorch ops, without Keras's per-op conversions
 #: (``decode``): "auto" takes it for one-query calls on CPU; other calls go to "ops".
-DECODE_IMPLEMENTATION = Implementation(
-    name="torch_decode", backend="torch", module="dcmha.backends.torch_native.decode",
-    devices=frozenset({"cpu", "gpu"}), auto_devices=frozenset({"cpu"}),
-    lacks=frozenset({"intermediates", "dropout", "symbolic_shapes"}), one_query_only=True,
+DECODE_IMPLEMENTATION = decode_implementation(
+    "torch_decode", "torch", "dcmha.backends.torch_native.decode", devices={"cpu", "gpu"},
     priority=15,
-    description="one decoding step (T = 1) in plain PyTorch ops; other calls run the "
-                "plain core")
+    description="one decoding step (T = 1) in plain PyTorch ops; other calls run the plain core")
 
 
 def _step_dynamic_weights():

@@ -5,6 +5,7 @@
 the API (the same shape of API as the Triton and Pallas kernels).
 """
 
+from dcmha.backends import decode_implementation
 from dcmha.registry import Implementation
 
 from .dcmha_xla import (dcmha_attention, dcmha_attention_reference,
@@ -24,10 +25,8 @@ IMPLEMENTATION = Implementation(
 #: One decoding step (T = 1) as one XLA-compiled function of the plain core's
 #: one-query path (``decode``): "auto" takes it for one-query calls traced into a
 #: TensorFlow graph on CPU; other calls go to "ops".
-DECODE_IMPLEMENTATION = Implementation(
-    name="tf_decode", backend="tensorflow", module="dcmha.backends.xla.decode",
-    devices=frozenset({"cpu", "gpu"}), auto_devices=frozenset({"cpu"}),
-    lacks=frozenset({"intermediates", "dropout", "symbolic_shapes"}), one_query_only=True,
+DECODE_IMPLEMENTATION = decode_implementation(
+    "tf_decode", "tensorflow", "dcmha.backends.xla.decode", devices={"cpu", "gpu"},
     priority=25,
-    description="one decoding step (T = 1): the plain core's one-query path, "
-                "XLA-compiled; other calls run the plain core")
+    description="one decoding step (T = 1): the plain core's one-query path, XLA-compiled; "
+                "other calls run the plain core")

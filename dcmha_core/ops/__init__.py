@@ -1,9 +1,9 @@
 """The functional DCMHA core on ``keras.ops`` (usable without the layer).
 
-    dispatch      ``dcmha_attention`` (the one attention core) and its dispatch through
-                  the registry; ``explain_implementation``
-    plain_core    the plain ``keras.ops`` core, the "ops" implementation (``attention``):
-                  query blocks, looped chunks, the one-query path
+    core          ``dcmha_attention`` (the one attention core) and its dispatch through
+                  the registry, ``explain_implementation``; the plain ``keras.ops`` core
+                  it falls back on, the "ops" implementation (``attention``): query
+                  blocks, looped chunks, the one-query path
     composition   head composition: ``compose``, its small factors, ``decode_compose``
     masks         block masks, their standard form, the keys a block can see
     dynamic       dynamic composition weights (``dynamic_weights``)
@@ -34,18 +34,17 @@ cache, and blocks skip the keys a causal mask or window hides.
 
 A module-level setting or function is read by the submodule that defines it: to
 change ``MAX_UNROLLED_CHUNKS`` or replace ``_attention_one_query``, set it on
-``dcmha.ops.plain_core``. ``dcmha_attention`` picks its implementation with
+``dcmha.ops.core``. ``dcmha_attention`` picks its implementation with
 ``dcmha.registry.select`` (read from the registry at every call).
 """
 
 from dcmha.ops.composition import (LOW_RANK_TERMS, compose, compose_matrices, decode_compose,
                                    kernel_stages, query_compose_matrix, stage_terms)
-from dcmha.ops.dispatch import (IMPLEMENTATION, core_result, dcmha_attention,
-                                explain_implementation)
+from dcmha.ops.core import (IMPLEMENTATION, MAX_UNROLLED_CHUNKS, attention,
+                            auto_query_chunk_size, core_result, dcmha_attention,
+                            explain_implementation, join_blocks, one_query_probs, split_blocks)
 from dcmha.ops.dynamic import dynamic_weights, fused_query_projection, plain_dynamic_weights
 from dcmha.ops.masks import block_mask, key_range, standardize_mask
-from dcmha.ops.plain_core import (MAX_UNROLLED_CHUNKS, attention, auto_query_chunk_size,
-                                  join_blocks, one_query_probs, split_blocks)
 from dcmha.ops.tensors import (arange_int32, as_dtype, cache_writer, dtype_name, rms_normalize,
                                rope, stack, unstack, write_slice)
 # The spec's epsilons, under the names the seam and the layer read from here.

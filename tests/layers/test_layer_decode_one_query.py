@@ -1,6 +1,6 @@
 """The one-query (decoding step) path of the "ops" core against the NumPy spec (issue 15).
 
-A call with T = 1 and no (B, N, T, S) extras runs ``dcmha.ops.plain_core._attention_one_query``:
+A call with T = 1 and no (B, N, T, S) extras runs ``dcmha.ops.core._attention_one_query``:
 composes on the (B, G, M, S) view, key-side terms applied in low-rank form from the
 (B, S, G, R, M) weights. It is checked against ``dcmha.spec.reference`` (the functional core
 and the layer's cached steps, with an int and a tensor index), against the block path for
@@ -16,7 +16,7 @@ from keras import ops
 
 from dcmha import ops as dops
 from dcmha.layers import DCMHA
-from dcmha.ops import plain_core
+from dcmha.ops import core
 from dcmha.spec import reference
 
 from tests.layers.test_layer_numerics import assert_close, np_
@@ -34,7 +34,7 @@ def one_query_calls(monkeypatch):
     # The one-query paths: the "ops" core's, and the "torch_decode" / "tf_decode"
     # implementations' (which "auto" takes for T = 1 on torch, and in a traced graph on
     # tensorflow). tf_decode compiles the "ops" one-query path: a call counts once.
-    paths = [(plain_core, "_attention_one_query")]
+    paths = [(core, "_attention_one_query")]
     if BACKEND == "torch":
         from dcmha.backends.torch_native import decode
         paths.append((decode, "_one_query"))
@@ -234,16 +234,16 @@ def test_decode_composes_in_the_kernel(reference_case, monkeypatch, name):
                                sliding_window=cfg.sliding_window, query_offset=t)
     o_ref, _ = reference.attend(cfg, p, q, k, v, qdyn, kdyn, mask)
 
-    def core(q, k, v, index):
+    def attend(q, k, v, index):
         return dops.dcmha_attention(q, k, v, num_groups=cfg.G, pre=terms.get("pre"),
                                     post=terms.get("post"), use_causal_mask=True,
                                     sliding_window=cfg.sliding_window, query_offset=index,
                                     implementation=implementation)
-    assert_close(core(f32(q), f32(k), f32(v), t), o_ref)
+    assert_close(attend(f32(q), f32(k), f32(v), t), o_ref)
     assert len(ran) == 1
     if BACKEND == "jax":
         import jax
-        assert_close(jax.jit(core)(f32(q), f32(k), f32(v), np.int32(t)), o_ref)
+        assert_close(jax.jit(attend)(f32(q), f32(k), f32(v), np.int32(t)), o_ref)
         assert len(ran) == 2
 
 

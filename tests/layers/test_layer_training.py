@@ -117,7 +117,7 @@ def _gradients(layer, x, mask, causal=False):
 def test_looped_chunks_match_unrolled(rng, monkeypatch, kwargs):
     """Many query chunks run as ops.map loops (jax, tensorflow): same output and gradients."""
     from dcmha import backend as seam
-    from dcmha.ops import plain_core
+    from dcmha.ops import core
 
     x = rng.standard_normal((2, 23, 16)).astype("float32")
     mask = rng.random((2, 23, 23)) > 0.2
@@ -131,9 +131,9 @@ def test_looped_chunks_match_unrolled(rng, monkeypatch, kwargs):
                for n, w in layers[0].spec_weights().items()}
     for layer in layers:
         layer.load_spec_weights(weights)
-    monkeypatch.setattr(plain_core, "MAX_UNROLLED_CHUNKS", 3)   # 12 chunks: looped on jax / tf
-    looped, inner = [], plain_core._attention_looped
-    monkeypatch.setattr(plain_core, "_attention_looped",
+    monkeypatch.setattr(core, "MAX_UNROLLED_CHUNKS", 3)   # 12 chunks: looped on jax / tf
+    looped, inner = [], core._attention_looped
+    monkeypatch.setattr(core, "_attention_looped",
                         lambda *a, **k: looped.append(1) or inner(*a, **k))
     y0, y1 = (np_(layer(x, x, attention_mask=mask, use_causal_mask=True)) for layer in layers)
     assert bool(looped) == seam.LOOPED_CHUNKS        # the chunked layer took the looped path
