@@ -11,14 +11,15 @@ stays with that kernel.
 
 from __future__ import annotations
 
-from dcmha import call as dcall
+import dcmha.call
+from dcmha.call import AttentionCall, shape_of
 
 __all__ = ["describe", "shared_mask"]
 
 
 def describe(q, k, v, *, num_groups, pre=None, post=None, mask=None, causal=False,
              sliding_window=None, query_offset=0, query_chunk_size=None,
-             return_attention_scores=False) -> dcall.AttentionCall:
+             return_attention_scores=False) -> AttentionCall:
     """``dcmha.call.describe`` of a kernel call (mask: None or (B|1, T|1, S|1), True = attend).
 
     Raises describe's ValueError / TypeError, naming the kernel's argument ``mask``;
@@ -26,11 +27,11 @@ def describe(q, k, v, *, num_groups, pre=None, post=None, mask=None, causal=Fals
     Python / NumPy int (the kernels take it as a static value).
     """
     try:
-        call = dcall.describe(q, k, v, num_groups=num_groups, pre=pre, post=post,
-                              attention_mask=mask, use_causal_mask=causal,
-                              sliding_window=sliding_window, query_offset=query_offset,
-                              query_chunk_size=query_chunk_size,
-                              return_attention_scores=bool(return_attention_scores))
+        call = dcmha.call.describe(q, k, v, num_groups=num_groups, pre=pre, post=post,
+                                   attention_mask=mask, use_causal_mask=causal,
+                                   sliding_window=sliding_window, query_offset=query_offset,
+                                   query_chunk_size=query_chunk_size,
+                                   return_attention_scores=bool(return_attention_scores))
     except (TypeError, ValueError) as err:
         if "attention_mask" not in str(err):
             raise
@@ -38,7 +39,7 @@ def describe(q, k, v, *, num_groups, pre=None, post=None, mask=None, causal=Fals
     if mask is not None and len(mask.shape) == 4:
         raise ValueError(f"`mask` must broadcast to (B, T, S) = {(call.B, call.T, call.S)}: the "
                          "fused kernels take one mask shared by all heads (per-head masks run "
-                         f"on dcmha.ops). Received: mask.shape={dcall.shape_of(mask)}")
+                         f"on dcmha.ops). Received: mask.shape={shape_of(mask)}")
     if call.static_offset is None:
         raise ValueError("`query_offset` must be a non-negative Python integer (the kernels take "
                          f"it as a static value). Received: query_offset={query_offset!r}")

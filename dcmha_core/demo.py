@@ -117,9 +117,9 @@ def train_model(name, model_kwargs, data, *, steps, batch_size, eval_points, lea
     schedule = keras.optimizers.schedules.CosineDecay(
         0.0, decay_steps=max(1, steps - warmup), warmup_target=learning_rate,
         warmup_steps=warmup, alpha=0.1)
-    # Compiled where that pays for these small steps (dcmha.backend.DEMO_JIT_COMPILE).
-    from dcmha import backend as seam
-    jit = seam.DEMO_JIT_COMPILE
+    # Compiled where that pays for these small steps (dcmha.framework.DEMO_JIT_COMPILE).
+    from dcmha import framework
+    jit = framework.DEMO_JIT_COMPILE
     model.compile(optimizer=keras.optimizers.AdamW(schedule, weight_decay=0.01, clipnorm=1.0),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=jit)

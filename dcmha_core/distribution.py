@@ -68,7 +68,7 @@ from typing import Dict, Optional, Tuple
 
 import keras
 
-from dcmha import backend as seam
+from dcmha import framework
 from dcmha.call import check_positive_int
 from dcmha.partition import partition_problem, partitioned
 
@@ -271,4 +271,4 @@ def gathered_weights(model):
     """The model's weights as NumPy arrays, whole on every process (``model.weights``
     order). Weights sharded over a mesh that spans processes are all-gathered in one
     compiled call, a collective that every process must make."""
-    return seam.whole_values([v.value for v in model.weights])
+    return framework.whole_values([v.value for v in model.weights])

@@ -82,9 +82,9 @@ def torch_module(model):
     shards ``torch.nn.Module`` parameters."""
     import keras
 
-    from dcmha import backend as seam
+    from dcmha import framework
 
-    if not seam.TORCH_MODULES:
+    if not framework.TORCH_MODULES:
         raise ValueError("`torch_module` needs the Keras torch backend. Received: the "
                          f"active Keras backend is {keras.backend.backend()!r}")
     if not isinstance(model, keras.Model) or not model.built:

@@ -20,7 +20,7 @@ import dataclasses
 
 import keras
 
-from dcmha import backend as seam
+from dcmha import framework
 from dcmha.ops import standardize_mask
 from dcmha.spec import terms as spec_terms
 
@@ -42,7 +42,7 @@ def _partition(call):
     None and None: no distribution, or a mesh of one device (nothing to split). A reason:
     the layout cannot be served per shard (a group would straddle devices, or the mesh has
     several axes besides the batch axis)."""
-    if not seam.SHARD_MAP:
+    if not framework.SHARD_MAP:
         return None, None
     dist = keras.distribution.distribution()
     mesh = getattr(dist, "device_mesh", None)

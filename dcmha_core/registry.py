@@ -37,7 +37,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-from dcmha import backend as seam
+from dcmha import framework
 from dcmha.spec import terms as spec_terms
 
 __all__ = ["CAPABILITIES", "ENTRY_POINT_GROUP", "Implementation", "implementations", "get",
@@ -233,7 +233,7 @@ def resolve(implementation) -> str:
 
 def current_device(call) -> str:
     """Where the call runs: "cpu", "gpu" or "tpu" (the framework seam's ``device`` of q)."""
-    return seam.device(call.q)
+    return framework.device(call.q)
 
 
 def _env_set(name: str, value: str) -> bool:
@@ -380,6 +380,6 @@ def select(implementation: str, call) -> Tuple[str, Callable]:
     return implementation, module.attention
 
 
-# The framework seam reads what fast paths provide (``dcmha.backend.provide``); the table's
+# The framework seam reads what fast paths provide (``dcmha.framework.provide``); the table's
 # first load imports their packages, which provide it: the seam's first lookup runs it.
-seam.set_finder(implementations)
+framework.set_finder(implementations)

@@ -4,12 +4,12 @@ Importing this package does not import TensorFlow: the module ``dcmha_tf_cpu`` l
 on first use of one of its names. See ``dcmha_tf_cpu`` for the API and ``keras_core``
 for the Keras fast path (``DCMHA(implementation="tf_cpu")``).
 
-Importing it also hands the framework seam (``dcmha.backend``) the kernel's op for a
+Importing it also hands the framework seam (``dcmha.framework``) the kernel's op for a
 decoding step's dynamic weights (``keras_core.dynamic_weights``), imported on its first
 use. The registry imports this package (its entry point) before the seam's first lookup.
 """
 
-from dcmha import backend as seam
+from dcmha import framework
 from dcmha.backends import cpu_kernel_package
 
 __all__ = ["IMPLEMENTATION", "dcmha_attention", "dcmha_attention_reference", "is_available"]
@@ -29,4 +29,4 @@ def _step_dynamic_weights():
     return dynamic_weights
 
 
-seam.provide("tensorflow", "step_dynamic_weights", _step_dynamic_weights)
+framework.provide("tensorflow", "step_dynamic_weights", _step_dynamic_weights)

@@ -5,7 +5,7 @@ loads on first use of one of its names. See ``dcmha_torch`` for the API (the
 same shape of API as the Triton, Pallas and XLA backends) and ``keras_core``
 for the Keras fast path (``DCMHA(implementation="torch")``).
 
-Importing it also hands the framework seam (``dcmha.backend``) eager PyTorch's kernels
+Importing it also hands the framework seam (``dcmha.framework``) eager PyTorch's kernels
 for a decoding step (``dynamic_weights``: the step's dynamic weights and the fused query
 projection) and the ONNX exporter's ``rms_norm`` (``onnx_symbolic``), each imported on
 its first use. The registry imports this package (its entry point) before the seam's
@@ -14,7 +14,7 @@ first lookup.
 
 import importlib.util
 
-from dcmha import backend as seam
+from dcmha import framework
 from dcmha.backends import CPU_MIN_LENGTH_PRODUCT, decode_implementation, lazy_attributes
 from dcmha.registry import Implementation
 
@@ -60,6 +60,6 @@ def _prepare_onnx_export():
     return register_rms_norm
 
 
-seam.provide("torch", "step_dynamic_weights", _step_dynamic_weights)
-seam.provide("torch", "fused_query_projection", _fused_query_projection)
-seam.provide("torch", "prepare_onnx_export", _prepare_onnx_export)
+framework.provide("torch", "step_dynamic_weights", _step_dynamic_weights)
+framework.provide("torch", "fused_query_projection", _fused_query_projection)
+framework.provide("torch", "prepare_onnx_export", _prepare_onnx_export)

@@ -69,7 +69,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from dcmha import call as dcall
+from dcmha.call import block_rows, check_positive_int
 from dcmha.spec import terms as spec_terms
 
 from .. import kernel_call, torch_common
@@ -97,7 +97,7 @@ def default_block_q(batch: int, num_heads: int, key_length: int) -> int:
     (``dcmha.call.block_rows``, the rule of ``dcmha.ops.auto_query_chunk_size``,
     capped at 256 queries.)
     """
-    return dcall.block_rows(batch, num_heads, key_length, _BLOCK_BYTES, largest=256)
+    return block_rows(batch, num_heads, key_length, _BLOCK_BYTES, largest=256)
 
 
 # ---------------------------------------------------------------------------
@@ -110,7 +110,7 @@ def _check(q, k, v, num_groups, pre, post, mask, causal, sliding_window, scale, 
     call = torch_common.check_call(q, k, v, num_groups=num_groups, pre=pre, post=post, mask=mask,
                                    causal=causal, sliding_window=sliding_window,
                                    query_offset=query_offset)
-    dcall.check_positive_int("block_q", block_q, allow_none=True)
+    check_positive_int("block_q", block_q, allow_none=True)
     bq = default_block_q(call.B, call.N, call.S) if block_q is None else block_q
     return call, _Problem(**torch_common.Problem.fields(call, scale),
                           block_q=max(1, min(bq, max(call.T, 1))))

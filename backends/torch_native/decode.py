@@ -11,8 +11,8 @@ masking rules: masked probabilities are exactly 0, and a query that sees no key
 outputs 0. On the CPU, with no gradient to record, both composes and the masked
 softmax are one call of the compiled C kernel (``cpu_kernel.decode_probs``, which
 reads the key-side weights in the cache's layout); without the kernel
-(``DCMHA_CPU_KERNEL=0``, no C compiler) PyTorch's ops compute them. The backend seam
-(``dcmha.backend.torch``, through ``dynamic_weights.py`` here) also takes this module's
+(``DCMHA_CPU_KERNEL=0``, no C compiler) PyTorch's ops compute them. The framework seam
+(``dcmha.framework.torch``, through ``dynamic_weights.py`` here) also takes this module's
 ``dynamic_weights`` (a step's dynamic weights by the kernel) and ``fused_projection`` (the
 query projection and the dynamic projection as one product).
 

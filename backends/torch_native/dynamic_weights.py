@@ -1,5 +1,5 @@
 """A decoding step's dynamic weights and query projection in eager PyTorch, provided to
-the framework seam (``dcmha.backend.torch``) by this package's ``__init__``.
+the framework seam (``dcmha.framework.torch``) by this package's ``__init__``.
 
 ``dynamic_weights`` is ``dcmha.ops.plain_dynamic_weights`` in PyTorch's own ops (a
 ``keras.ops.einsum`` costs about five times a small ``torch.matmul`` here, and a step is

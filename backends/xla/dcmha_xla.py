@@ -56,7 +56,7 @@ import math
 import os
 from typing import Dict, Mapping, Optional
 
-from dcmha import call as dcall
+from dcmha.call import block_rows
 from dcmha.spec import terms as spec_terms
 
 from .. import kernel_call
@@ -238,8 +238,8 @@ def default_query_chunk_size(batch: Optional[int], num_heads: int, query_length:
     """
     if query_length is None or key_length is None:
         return None
-    c = dcall.block_rows(batch or 1, num_heads, key_length, CHUNK_BUDGET_BYTES,
-                         smallest=MIN_DEFAULT_CHUNK, largest=None)
+    c = block_rows(batch or 1, num_heads, key_length, CHUNK_BUDGET_BYTES,
+                   smallest=MIN_DEFAULT_CHUNK, largest=None)
     return None if c >= query_length else c
 
 

@@ -58,11 +58,11 @@ def _compiled_step():
     if not _STEP:
         import tensorflow as tf
 
-        from dcmha import call as dcall
+        from dcmha.call import describe
         from dcmha import ops as dops
 
         def step(q, k, v, pre, post, mask, offset, num_groups, causal, window):
-            call = dcall.describe(
+            call = describe(
                 q, k, v, num_groups=num_groups, pre=pre or None, post=post or None,
                 attention_mask=mask, use_causal_mask=causal, sliding_window=window,
                 query_offset=offset, auto_chunk=False)

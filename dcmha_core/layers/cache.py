@@ -9,7 +9,7 @@ import numpy as np
 import keras
 from keras import ops
 
-from dcmha import backend as seam
+from dcmha import framework
 from dcmha.spec import reference as spec
 
 
@@ -65,7 +65,7 @@ def check_index(index, new_length, cache_length):
         if tuple(index.shape) != ():
             raise TypeError(f"{message} Received: cache_update_index of shape "
                             f"{tuple(index.shape)}")
-        value = seam.readable_value(index)
+        value = framework.readable_value(index)
         if value is None:
             return True, index
         index = int(value)

@@ -21,7 +21,7 @@ import numpy as np
 import keras
 from keras import ops
 
-from dcmha import backend as seam
+from dcmha import framework
 from dcmha import ops as dops
 from dcmha import registry
 from dcmha.call import shape_of as _shape
@@ -54,9 +54,9 @@ def readable_value(x):
     None inside ``jax.jit`` (a tracer), a ``tf.function`` (a symbolic tensor),
     ``torch.compile`` / ``torch.export`` / a TorchScript trace (where reading
     would bake the value or break the graph) and for torch "meta" tensors
-    (``dcmha.backend.readable_value``).
+    (``dcmha.framework.readable_value``).
     """
-    return seam.readable_value(x)
+    return framework.readable_value(x)
 
 
 def _int_tuple(value, ok):
@@ -774,7 +774,7 @@ class DCMHA(keras.layers.Layer):
         key = value if key is None else key
         self_attention = key is query
         query, value, key, attention_mask, query_mask, value_mask, key_mask, cache = \
-            seam.to_layer_device((query, value, key, attention_mask, query_mask, value_mask,
+            framework.to_layer_device((query, value, key, attention_mask, query_mask, value_mask,
                                   key_mask, cache))
         self._check_inputs(query, value, key)
         causal = _call_flag("use_causal_mask", use_causal_mask, traced_ok=True)
@@ -809,13 +809,13 @@ class DCMHA(keras.layers.Layer):
         read_only = cache is not None and cache_update_index is None
         fused = None                     # (projected query, dynamic weights) from one product
         if self_attention and not read_only and self._slots and not c.cross_attention:
-            fused = seam.fused_query(self._query_dense, self.dynamic_projection_layer, query)
+            fused = framework.fused_query(self._query_dense, self.dynamic_projection_layer, query)
         q = self._project(self._query_dense, query) if fused is None else fused[0]
         q = self._qk(q, qscale, q_pos)
 
         def dynamic(projection, x, slots=None):
-            # A DynamicWeightProjection's call, through the seam.
-            return seam.call_sublayer(projection, x, slots=slots)
+            # A DynamicWeightProjection's call, through the framework.
+            return framework.call_sublayer(projection, x, slots=slots)
 
         if c.cross_attention:
             qdyn = (dynamic(self.query_dynamic_projection, query)

@@ -1,6 +1,6 @@
 """Generation with a DCFormer language model: one prefill of the prompt, then one cached
 step per new token. `DCFormerLM.generate` is `generate` here; the step itself comes from
-the framework seam (``dcmha.backend.decode_step``: compiled where that pays) and reads
+the framework seam (``dcmha.framework.decode_step``: compiled where that pays) and reads
 and writes the per-layer DCMHA caches of ``DCFormerLM.init_cache``.
 """
 
@@ -13,7 +13,7 @@ import numpy as np
 import keras
 from keras import ops
 
-from dcmha import backend as seam
+from dcmha import framework
 
 __all__ = ["generate", "check_token_range"]
 
@@ -66,7 +66,7 @@ def generate(model, token_ids, max_new_tokens, temperature=0.0, seed=None):
     step = model._decode_function()
     rng = keras.random.SeedGenerator(seed) if temperature > 0 else None
 
-    index = seam.step_index
+    index = framework.step_index
     cache = model.init_cache(B, T + max_new_tokens)
     last, cache = step(ops.convert_to_tensor(ids), cache, index(0))      # prefill
     out = [ids]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from dcmha import backend as seam
+from dcmha import framework
 from dcmha import checkpoints
 from dcmha.layers import readable_value
 from dcmha.models.blocks import RMSNorm, decoder_blocks, fresh_initializer
@@ -260,7 +260,7 @@ class DCFormerLM(keras.Model):
         Without `input_signature` the artifact takes one int32 (B, T) input
         "token_ids" with B and T dynamic (Keras alone would take T from the
         first call and a float dtype from the policy). The backend prepares its
-        exporter first (``dcmha.backend.prepare_export``: on torch, ONNX's
+        exporter first (``dcmha.framework.prepare_export``: on torch, ONNX's
         TorchScript exporter learns `aten::rms_norm`). Exports the forward pass
         without a cache: token_ids -> logits (B, T, V).
         """
@@ -269,7 +269,7 @@ class DCFormerLM(keras.Model):
         if input_signature is None:
             input_signature = [keras.InputSpec(shape=(None, None), dtype="int32",
                                                name="token_ids")]
-        seam.prepare_export(format)
+        framework.prepare_export(format)
         return super().export(filepath, format=format, verbose=verbose,
                               input_signature=input_signature, **kwargs)
 
@@ -293,9 +293,9 @@ class DCFormerLM(keras.Model):
 
     def _decode_function(self):
         """(tokens, cache, index) -> (last logits (B, V) float32, cache), compiled
-        where that pays (``dcmha.backend.decode_step``); ``generate`` gives it the
-        index as ``dcmha.backend.step_index`` makes it."""
-        return seam.decode_step(self)
+        where that pays (``dcmha.framework.decode_step``); ``generate`` gives it the
+        index as ``dcmha.framework.step_index`` makes it."""
+        return framework.decode_step(self)
 
     def generate(self, token_ids, max_new_tokens, temperature=0.0, seed=None):
         """Continue `token_ids` (B, T) by `max_new_tokens` tokens.

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from keras import ops
 
-from dcmha import call as dcall
-from dcmha.call import shape_of as _shape
+from dcmha.call import _check_groups, check_terms, shape_of as _shape
 from dcmha.spec import terms as spec_terms
 
 #: The ``compose`` keyword arguments of one stage (``dcmha.spec.terms.stage_terms``).
@@ -73,9 +72,9 @@ def compose(a, num_groups, *, qw1=None, qw2=None, kw1=None, kw2=None, qdd=None, 
                                     static=static).items() if v is not None}
     if len(a.shape) != 4:
         raise ValueError(f"`a` must have rank 4 (B, N, T, S). Received: a.shape={_shape(a)}")
-    dcall._check_groups(num_groups, a.shape[1])
+    _check_groups(num_groups, a.shape[1])
     G = num_groups
-    dcall.check_terms("", terms, a.shape[0], a.shape[2], a.shape[3], G,
+    check_terms("", terms, a.shape[0], a.shape[2], a.shape[3], G,
                  None if a.shape[1] is None else a.shape[1] // G)
     terms = {n: ops.cast(v, "float32") for n, v in terms.items()}
     a = ops.cast(a, "float32")

@@ -18,10 +18,9 @@ import math
 import keras
 from keras import ops
 
-from dcmha import backend as seam
-from dcmha import call as dcall
+from dcmha import framework
+from dcmha.call import block_rows, describe, shape_of as _shape
 from dcmha import registry
-from dcmha.call import shape_of as _shape
 from dcmha.ops.composition import _compose_qm, compose_matrices, decode_compose
 from dcmha.ops.masks import (_MASKED, _mask5, _slice_mask, _visible_rows, block_mask, key_range,
                              standardize_mask)
@@ -52,7 +51,7 @@ def core_result(result, return_attention_scores):
 def explain_implementation(q, k, v, **kwargs):
     """[(name, reason)]: why ``implementation="auto"`` passes over each fast path for
     this call (None for the one it takes); arguments as ``dcmha_attention``."""
-    return registry.explain(dcall.describe(q, k, v, **kwargs))
+    return registry.explain(describe(q, k, v, **kwargs))
 
 
 def dcmha_attention(q, k, v, *, num_groups=1, pre=None, post=None, attention_mask=None,
@@ -92,7 +91,7 @@ def dcmha_attention(q, k, v, *, num_groups=1, pre=None, post=None, attention_mas
         asked for (a dict with "attention_scores" and/or the intermediates).
     """
     registry.resolve(implementation)
-    call = dcall.describe(
+    call = describe(
         q, k, v, num_groups=num_groups, pre=pre, post=post, attention_mask=attention_mask,
         use_causal_mask=use_causal_mask, sliding_window=sliding_window,
         query_offset=query_offset, query_chunk_size=query_chunk_size,
@@ -222,8 +221,8 @@ def auto_query_chunk_size(batch, num_heads, key_length, query_length, block_byte
     if not all(isinstance(v, int) for v in (batch, num_heads, key_length, query_length)):
         return None
     if block_bytes is None:
-        block_bytes = 4 * 2 ** 20 if seam.on_cpu() else 256 * 2 ** 20
-    chunk = dcall.block_rows(batch, num_heads, key_length, block_bytes)
+        block_bytes = 4 * 2 ** 20 if framework.on_cpu() else 256 * 2 ** 20
+    chunk = block_rows(batch, num_heads, key_length, block_bytes)
     return chunk if chunk < query_length else None
 
 
@@ -239,7 +238,7 @@ def join_blocks(parts, axis=1):
 
 
 #: More query chunks than this are not unrolled on the tracing backends
-#: (``dcmha.backend.LOOPED_CHUNKS``): they run as ``_LOOP_SPANS`` spans of equal chunks, each span an
+#: (``dcmha.framework.LOOPED_CHUNKS``): they run as ``_LOOP_SPANS`` spans of equal chunks, each span an
 #: ``ops.map`` loop against the keys its queries can see, so the traced graph
 #: (and the compile time) stays bounded for long sequences.
 MAX_UNROLLED_CHUNKS = 64
@@ -365,7 +364,7 @@ def _attention_ops(q, k, v, *, num_groups, pre, post, attention_mask, use_causal
                                     probs=decode_probs), {}
     if (len(q_bounds) > MAX_UNROLLED_CHUNKS and not wanted
             and not (training and dropout_rate > 0.0)
-            and seam.LOOPED_CHUNKS):
+            and framework.LOOPED_CHUNKS):
         return _attention_looped(q, k, v, mask, pre, post, num_groups=G, chunk=chunk,
                                  use_causal_mask=use_causal_mask, sliding_window=sliding_window,
                                  query_offset=query_offset,

@@ -2,7 +2,7 @@
 compose slot, from a side's input x (B, L, D) (see ``dcmha.spec.reference``).
 
 ``dynamic_weights`` is the entry point (split by slot); ``plain_dynamic_weights``
-computes them with ``keras.ops``; the seam (``dcmha.backend``) may supply a backend's
+computes them with ``keras.ops``; the seam (``dcmha.framework``) may supply a backend's
 own step (``step_dynamic_weights``, ``fused_query_projection``).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from dcmha import backend as seam
+from dcmha import framework
 from dcmha.call import check_positive_int, shape_of, shapes_agree
 from dcmha.ops.tensors import as_dtype, rms_normalize
 from dcmha.spec.reference import ALL_SLOTS, W1_NORM_EPS
@@ -39,7 +39,7 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
         _check_dynamic_args(x, dw1, qkw, dd, slots, rank)
     weights = [w.value if isinstance(w, keras.Variable) else w for w in (dw1, qkw, dd)]
     C = len(slots)
-    split = seam.step_dynamic_weights(x, *weights, C=C, rank=rank,
+    split = framework.step_dynamic_weights(x, *weights, C=C, rank=rank,
                                       gelu_approximate=gelu_approximate)
     if split is None:
         stacked = plain_dynamic_weights(x, dw1, qkw, dd, C=C, rank=rank,
@@ -61,19 +61,19 @@ def fused_query_projection(x, kernel, bias, dw1, qkw, dd, *, slots, rank,
                            gelu_approximate=True):
     """A decoding step's query projection and ``dynamic_weights`` from one matrix product
     of x (B, L, D) with [kernel | dw1 | dd], where the backend has it
-    (``dcmha.backend.fused_query_projection``), else None.
+    (``dcmha.framework.fused_query_projection``), else None.
 
     kernel (D, N, d), bias (N, d) or None: the query projection (``EinsumDense``'s
     weights). Returns (x . kernel + bias as (B, L, N, d) float32, ``dynamic_weights``'
     dict)."""
     weights = [w.value if isinstance(w, keras.Variable) else w
                for w in (kernel, bias, dw1, qkw, dd)]
-    out = seam.fused_query_projection(x, *weights, C=len(slots), rank=rank,
+    out = framework.fused_query_projection(x, *weights, C=len(slots), rank=rank,
                                       gelu_approximate=gelu_approximate)
     if out is None:
         return None
     q, stacked = out
-    return q, _by_slot({n: seam.unstack(a, 3, len(slots)) for n, a in stacked.items()}, slots)
+    return q, _by_slot({n: framework.unstack(a, 3, len(slots)) for n, a in stacked.items()}, slots)
 
 
 def plain_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):

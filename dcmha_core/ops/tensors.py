@@ -2,7 +2,7 @@
 dtype casts that skip no-op casts, stacking, cache writes and int32 ranges.
 
 The backend-specific forms (a cheaper stack, an eager cache write, a symbolic range)
-come from the seam (``dcmha.backend``); these functions name no backend.
+come from the seam (``dcmha.framework``); these functions name no backend.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from dcmha import backend as seam
+from dcmha import framework
 from dcmha.call import shape_of, shapes_agree
 
 
@@ -49,22 +49,22 @@ def as_dtype(x, dtype):
 
 
 def stack(arrays, axis):
-    """``ops.stack`` (the backend's own op where that is cheaper: ``dcmha.backend``)."""
-    return seam.stack(arrays, axis)
+    """``ops.stack`` (the backend's own op where that is cheaper: ``dcmha.framework``)."""
+    return framework.stack(arrays, axis)
 
 
 def unstack(x, axis, num):
     """The ``num`` slices of x along ``axis``: ``ops.unstack`` (the backend's own views
-    where that is cheaper: ``dcmha.backend``)."""
-    return seam.unstack(x, axis, num)
+    where that is cheaper: ``dcmha.framework``)."""
+    return framework.unstack(x, axis, num)
 
 
 def write_slice(entry, index, update):
     """``entry`` with ``update`` written at [:, index:index + n] (a new tensor; ``entry``
     is unchanged), cast to ``entry``'s dtype: ``ops.slice_update``, or the backend's own
-    eager write (``dcmha.backend.eager_slice_write``)."""
+    eager write (``dcmha.framework.eager_slice_write``)."""
     update = as_dtype(update, dtype_name(entry.dtype))
-    out = seam.eager_slice_write(entry, index, update)
+    out = framework.eager_slice_write(entry, index, update)
     if out is not None:
         return out
     start = [0, index] + [0] * (len(entry.shape) - 2)
@@ -78,16 +78,16 @@ def cache_writer(index, new_length, batch):
 
     ``index`` must be in [0, S_max - new_length] (the layer checks a known index and
     clamps a traced one). A backend may build the writes once for all of a step's
-    entries (``dcmha.backend.cache_writer``); otherwise each write is ``write_slice``.
+    entries (``dcmha.framework.cache_writer``); otherwise each write is ``write_slice``.
     """
-    writer = seam.cache_writer(index, new_length, batch)
+    writer = framework.cache_writer(index, new_length, batch)
     return writer or (lambda entry, update: write_slice(entry, index, update))
 
 
 def arange_int32(start, stop):
     """int32 [start, stop), also when ``stop - start`` is an exporter's symbolic size
-    (``dcmha.backend.arange_int32``)."""
-    return seam.arange_int32(start, stop)
+    (``dcmha.framework.arange_int32``)."""
+    return framework.arange_int32(start, stop)
 
 
 def rope(x, positions, max_wavelength):

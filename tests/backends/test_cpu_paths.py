@@ -24,7 +24,7 @@ from tests import kernel_cases
 BACKEND, PATH, core = kernel_cases.cpu_path_or_skip()
 
 from dcmha import DCMHA  # noqa: E402
-from dcmha import call as dcall  # noqa: E402
+from dcmha.call import describe  # noqa: E402
 from dcmha import registry  # noqa: E402
 from tests.kernel_cases import assert_close, make_problem, spec_result  # noqa: E402
 from keras import ops  # noqa: E402
@@ -156,7 +156,7 @@ def _call(T, S, **extra):
     call = dict(q=ops.zeros((2, T, 4, 8)), k=k, v=k, num_groups=1, use_causal_mask=True)
     call.update(extra)
     q, k, v = call.pop("q"), call.pop("k"), call.pop("v")
-    return dcall.describe(q, k, v, **call)
+    return describe(q, k, v, **call)
 
 
 @needs_kernel

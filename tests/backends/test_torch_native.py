@@ -457,8 +457,8 @@ def test_import_does_not_import_torch():
 # ---------------------------------------------------------------------------
 
 def _call(q, k, v, **over):
-    from dcmha import call as dcall
-    return dcall.describe(q, k, v, **over)
+    from dcmha.call import describe
+    return describe(q, k, v, **over)
 
 
 def test_registry_contract():

@@ -1,7 +1,7 @@
 """The package's house rules, read from the source (nothing is imported):
 
 - every library class has a docstring;
-- outside the registry (``dcmha.registry``) and the framework seam (``dcmha.backend``), no
+- outside the registry (``dcmha.registry``) and the framework seam (``dcmha.framework``), no
   module of ``dcmha_core/`` or ``export/`` compares with a Keras backend name or keys a
   table on one: backend-specific code lives behind the seam or in ``backends/``.
 
@@ -17,7 +17,7 @@ import pytest
 from tests.house.test_reference_imports import _modules, backend_comparisons
 
 #: The modules allowed to name backends: the registry and the seam.
-NAMING_BACKENDS = ("dcmha.registry", "dcmha.backend")
+NAMING_BACKENDS = ("dcmha.registry", "dcmha.framework")
 #: Comparisons that name no Keras backend behaviour, with the count the check sees.
 NOT_BACKEND_BEHAVIOUR = {
     # the pickle module "torch" of a saved storage type (torch.FloatStorage, ...)
@@ -43,8 +43,8 @@ def test_shared_modules_cover_core_and_export():
                  "dcmha.distribution", "dcmha.partition", "dcmha.export",
                  "dcmha.hub.backbone"):
         assert any(m == name or m.startswith(name + ".") for m in shared), name
-    assert not any(m.startswith(("dcmha.backend.", "dcmha.backends")) for m in shared)
-    assert "dcmha.registry" not in shared and "dcmha.backend" not in shared
+    assert not any(m.startswith(("dcmha.framework.", "dcmha.backends")) for m in shared)
+    assert "dcmha.registry" not in shared and "dcmha.framework" not in shared
 
 
 @pytest.mark.parametrize("tree", ["core", "export"])

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS = [
     ("spec", ("dcmha.spec",),
      "the NumPy truth every implementation is checked against; imports no framework"),
-    ("framework", ("dcmha.backend", "dcmha._keras_backend"),
+    ("framework", ("dcmha.framework", "dcmha._keras_backend"),
      "the framework seam (what differs per Keras backend) and the choice of the Keras "
      "backend; fast paths provide their kernels to the seam instead of it importing them"),
     ("files", ("dcmha.checkpoints",),
@@ -365,9 +365,9 @@ def test_no_upward_import():
 
 def test_the_seam_imports_only_the_spec_and_itself():
     graph = import_graph()
-    seam = {m: sorted(t for t in edges if not _covers("dcmha.backend", t)
+    seam = {m: sorted(t for t in edges if not _covers("dcmha.framework", t)
                       and not _covers("dcmha.spec", t))
-            for m, edges in graph.items() if _covers("dcmha.backend", m)}
+            for m, edges in graph.items() if _covers("dcmha.framework", m)}
     assert {m: t for m, t in seam.items() if t} == {}
 
 
@@ -398,7 +398,7 @@ def test_backend_folders_import_no_other_backend_folder():
 
 _BACKEND_NAMES = {"jax", "torch", "tensorflow", "numpy"}
 #: The shared code of the package: it reaches backend-specific code through the seam
-#: (``dcmha.backend``) or the registry, and names no Keras backend.
+#: (``dcmha.framework``) or the registry, and names no Keras backend.
 SHARED = ("dcmha.layers", "dcmha.ops", "dcmha.models", "dcmha.call", "dcmha.hub.backbone",
           "dcmha.hub.causal_lm")
 

@@ -432,7 +432,7 @@ def _no_step_kernel(monkeypatch):
         from dcmha.backends.torch_native import decode
         monkeypatch.setattr(decode, "dynamic_weights", lambda *a, **k: None)
     else:
-        from dcmha.backend import tensorflow as seam_tf
+        from dcmha.framework import tensorflow as seam_tf
         monkeypatch.setattr(seam_tf, "_STEP_KERNEL", {"dynamic_weights": None})
 
 

@@ -116,7 +116,7 @@ def _gradients(layer, x, mask, causal=False):
                                                  num_key_value_heads=2, sliding_window=4)])
 def test_looped_chunks_match_unrolled(rng, monkeypatch, kwargs):
     """Many query chunks run as ops.map loops (jax, tensorflow): same output and gradients."""
-    from dcmha import backend as seam
+    from dcmha import framework
     from dcmha.ops import core
 
     x = rng.standard_normal((2, 23, 16)).astype("float32")
@@ -136,7 +136,7 @@ def test_looped_chunks_match_unrolled(rng, monkeypatch, kwargs):
     monkeypatch.setattr(core, "_attention_looped",
                         lambda *a, **k: looped.append(1) or inner(*a, **k))
     y0, y1 = (np_(layer(x, x, attention_mask=mask, use_causal_mask=True)) for layer in layers)
-    assert bool(looped) == seam.LOOPED_CHUNKS        # the chunked layer took the looped path
+    assert bool(looped) == framework.LOOPED_CHUNKS        # the chunked layer took the looped path
     atol = 2e-6 * max(1.0, np.abs(y0).max())
     np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=atol)
     if BACKEND == "numpy":

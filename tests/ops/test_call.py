@@ -14,7 +14,7 @@ import pytest
 
 from keras import ops
 
-from dcmha import call as dcall
+from dcmha.call import block_rows, check_positive_int, check_terms, describe, shape_of, shapes_agree
 from dcmha.spec import terms as spec_terms
 
 B, T, S, N, N_kv, d, d_v = 2, 3, 5, 6, 3, 4, 7
@@ -38,24 +38,24 @@ def raises(error, message):
 @pytest.mark.backend_independent
 @pytest.mark.parametrize("value", [1, 7, np.int32(3), np.int64(2)])
 def test_check_positive_int_accepts(value):
-    assert dcall.check_positive_int("size", value) is None
-    assert dcall.check_positive_int("size", value, allow_none=True) is None
+    assert check_positive_int("size", value) is None
+    assert check_positive_int("size", value, allow_none=True) is None
 
 
 @pytest.mark.backend_independent
 def test_check_positive_int_accepts_none_when_allowed():
-    assert dcall.check_positive_int("size", None, allow_none=True) is None
+    assert check_positive_int("size", None, allow_none=True) is None
 
 
 @pytest.mark.backend_independent
 @pytest.mark.parametrize("value", [0, -3, 2.0, True, False, "4", None, np.int64(0), [2]])
 def test_check_positive_int_refuses(value):
     with raises(ValueError, f"`size` must be a positive integer. Received: size={value!r}"):
-        dcall.check_positive_int("size", value)
+        check_positive_int("size", value)
     if value is not None:
         with raises(ValueError, "`size` must be None or a positive integer. "
                                 f"Received: size={value!r}"):
-            dcall.check_positive_int("size", value, allow_none=True)
+            check_positive_int("size", value, allow_none=True)
 
 
 # ---------------------------------------------------------------------------
@@ -69,18 +69,18 @@ def test_check_positive_int_refuses(value):
     ((2, 3), (2, 4), False), ((2, 3), (2, 3, 1), False), ((2,), (), False),
     ((None, 3), (None, 4), False)])
 def test_shapes_agree(a, b, agree):
-    assert dcall.shapes_agree(a, b) is agree
-    assert dcall.shapes_agree(b, a) is agree
+    assert shapes_agree(a, b) is agree
+    assert shapes_agree(b, a) is agree
 
 
 @pytest.mark.backend_independent
 def test_shape_of():
-    assert dcall.shape_of(f32(2, 3)) == (2, 3)
+    assert shape_of(f32(2, 3)) == (2, 3)
 
     class Symbolic:
         shape = (np.int64(2), None, "L", True, 4)
 
-    assert dcall.shape_of(Symbolic()) == (2, None, None, None, 4)
+    assert shape_of(Symbolic()) == (2, None, None, None, 4)
 
 
 @pytest.mark.backend_independent
@@ -89,8 +89,8 @@ def test_shape_of():
     (1, 1, 1, 1, 16, 1024), (1, 1, 1, 4 * 5000, 16, None), (1, 1, 1, 4 * 5000, 16, 256),
     (1, 1, 1, 4 * 3, 1, 1024), (3, 5, 7, 4 * 3 * 5 * 7 * 40, 4, 64)])
 def test_block_rows(batch, heads, length, block_bytes, smallest, largest):
-    rows = dcall.block_rows(batch, heads, length, block_bytes, smallest=smallest,
-                            largest=largest)
+    rows = block_rows(batch, heads, length, block_bytes, smallest=smallest,
+                      largest=largest)
     row_bytes = 4 * batch * heads * length          # one float32 (B, N, 1, S) row
     assert rows & (rows - 1) == 0                    # a power of two
     assert smallest <= rows and (largest is None or rows <= largest)
@@ -104,7 +104,7 @@ def test_block_rows(batch, heads, length, block_bytes, smallest, largest):
 
 @pytest.mark.backend_independent
 def test_describe_sizes_and_defaults():
-    call = dcall.describe(Q, K, V, num_groups=3)
+    call = describe(Q, K, V, num_groups=3)
     assert (call.B, call.T, call.S, call.N, call.N_kv, call.d, call.d_v) == (
         B, T, S, N, N_kv, d, d_v)
     assert (call.G, call.M, call.length_product) == (3, 2, T * S)
@@ -120,13 +120,13 @@ def test_describe_terms_and_ranks():
     G, M = 3, 2
     pre = {"qw1": f32(B, T, G, 2, M), "qw2": f32(B, T, G, 2, M), "kdd": f32(B, S, G, M)}
     post = {"kw1": f32(B, S, G, 1, M), "kw2": f32(B, S, G, 1, M), "static": f32(G, M, M)}
-    call = dcall.describe(Q, K, V, num_groups=G, pre=pre, post=post)
+    call = describe(Q, K, V, num_groups=G, pre=pre, post=post)
     assert call.ranks == (1, 2)
     assert call.stages == {"pre": pre, "post": post}
     assert call.terms == frozenset(pre) | frozenset(post)
-    assert dcall.check_terms("pre", pre, B, T, S, G, M) == 2
-    assert dcall.check_terms("post", {"static": f32(G, M, M)}, B, T, S, G, M) is None
-    assert dcall.describe(Q, K, V, pre={}, post=None).stages == {}
+    assert check_terms("pre", pre, B, T, S, G, M) == 2
+    assert check_terms("post", {"static": f32(G, M, M)}, B, T, S, G, M) is None
+    assert describe(Q, K, V, pre={}, post=None).stages == {}
 
 
 @pytest.mark.backend_independent
@@ -143,7 +143,7 @@ def test_describe_terms_and_ranks():
     (dict(query_offset=np.array(2, np.int32), use_causal_mask=True), {"traced_offset"})])
 def test_describe_needs(kwargs, needs):
     from dcmha import registry
-    call = dcall.describe(Q, K, V, **kwargs)
+    call = describe(Q, K, V, **kwargs)
     assert call.needs == frozenset(needs)
     assert call.needs <= registry.CAPABILITIES
 
@@ -155,7 +155,7 @@ def test_describe_unknown_sizes_need_symbolic_shapes():
             self.shape = shape
             self.dtype = np.dtype("float32")
 
-    call = dcall.describe(Symbolic((B, None, N, d)), K, V)
+    call = describe(Symbolic((B, None, N, d)), K, V)
     assert call.T is None and call.length_product is None
     assert call.needs == frozenset({"symbolic_shapes"})
 
@@ -168,18 +168,18 @@ def test_describe_unknown_sizes_need_symbolic_shapes():
     (dict(query_offset=np.int64(4)), None, 4),
     (dict(query_offset=np.array(4, np.int64)), None, None)])
 def test_describe_mask_kind_and_offset(kwargs, mask_kind, offset):
-    call = dcall.describe(Q, K, V, **kwargs)
+    call = describe(Q, K, V, **kwargs)
     assert call.mask_kind == mask_kind and call.static_offset == offset
 
 
 @pytest.mark.backend_independent
 def test_describe_one_query():
     q1 = f32(B, 1, N, d)
-    assert dcall.describe(q1, K, V).one_query
-    assert dcall.describe(q1, K, V, dropout_rate=0.5).one_query
+    assert describe(q1, K, V).one_query
+    assert describe(q1, K, V, dropout_rate=0.5).one_query
     for kwargs in (dict(return_attention_scores=True), dict(return_intermediates=True),
                    dict(dropout_rate=0.5, training=True)):
-        assert not dcall.describe(q1, K, V, **kwargs).one_query
+        assert not describe(q1, K, V, **kwargs).one_query
 
 
 @pytest.mark.backend_independent
@@ -189,13 +189,13 @@ def test_arguments_round_trip():
                   sliding_window=2, query_offset=1, query_chunk_size=4, dropout_rate=0.25,
                   seed=7, training=True, return_attention_scores=True,
                   return_intermediates=False, auto_chunk=False)
-    call = dcall.describe(Q, K, V, **kwargs)
+    call = describe(Q, K, V, **kwargs)
     args = call.arguments()
     assert set(args) == {"q", "k", "v"} | set(kwargs)
     assert args["q"] is Q and args["k"] is K and args["v"] is V
     for name, value in kwargs.items():
         assert args[name] is value or args[name] == value, name
-    assert dcall.describe(**args) == call
+    assert describe(**args) == call
 
 
 # ---------------------------------------------------------------------------
@@ -296,7 +296,7 @@ BAD = [
 @pytest.mark.parametrize("args, kwargs, error, message", BAD)
 def test_describe_refuses(args, kwargs, error, message):
     with raises(error, message):
-        dcall.describe(*args, **kwargs)
+        describe(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------
@@ -306,7 +306,7 @@ def test_describe_refuses(args, kwargs, error, message):
 @pytest.mark.parametrize("dtype", ["bool", "int32", "uint8"])
 def test_backend_masks_are_accepted(dtype):
     mask = ops.convert_to_tensor(np.ones((B, T, S)), dtype)
-    assert dcall.describe(Q, K, V, attention_mask=mask).mask_kind == "shared"
+    assert describe(Q, K, V, attention_mask=mask).mask_kind == "shared"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -314,12 +314,12 @@ def test_backend_float_masks_are_refused(dtype):
     mask = ops.convert_to_tensor(np.ones((B, T, S)), dtype)
     with raises(TypeError, "`attention_mask` must be boolean (True = attend) or integer "
                            f"(1 = attend). Received: attention_mask.dtype={dtype}"):
-        dcall.describe(Q, K, V, attention_mask=mask)
+        describe(Q, K, V, attention_mask=mask)
 
 
 def test_backend_offsets():
     offset = ops.convert_to_tensor(3, "int32")
-    assert dcall.describe(Q, K, V, query_offset=offset).static_offset is None
+    assert describe(Q, K, V, query_offset=offset).static_offset is None
     with raises(ValueError, "`query_offset` must be an integer or an integer scalar tensor. "
                             "Received: query_offset.shape=(), query_offset.dtype=float32"):
-        dcall.describe(Q, K, V, query_offset=ops.convert_to_tensor(3.0, "float32"))
+        describe(Q, K, V, query_offset=ops.convert_to_tensor(3.0, "float32"))

@@ -26,7 +26,7 @@ import pytest
 import keras
 from keras import ops
 
-from dcmha import call as dcall
+from dcmha.call import describe
 from dcmha import ops as dops
 from dcmha import registry
 from dcmha.layers import DCMHA
@@ -111,9 +111,9 @@ def make_call(p=None, **overrides):
     """The ``AttentionCall`` ``dcmha_attention`` hands to the cores, on backend tensors."""
     p = p or problem()
     t = ops.convert_to_tensor
-    return dcall.describe(t(p["q"]), t(p["k"]), t(p["v"]), num_groups=p["G"],
-                          pre={n: t(w) for n, w in p["pre"].items()},
-                          post={n: t(w) for n, w in p["post"].items()}, **overrides)
+    return describe(t(p["q"]), t(p["k"]), t(p["v"]), num_groups=p["G"],
+                    pre={n: t(w) for n, w in p["pre"].items()},
+                    post={n: t(w) for n, w in p["post"].items()}, **overrides)
 
 
 def refused(name, reason, end="$"):
@@ -303,7 +303,7 @@ def test_triton_preferred_only_for_cuda_tensors_with_triton(monkeypatch, install
 def _fake_call(**kwargs):
     """An ``AttentionCall`` on fake CUDA tensors (B=1, T=S=6, N=N_kv=4, d=8)."""
     q = _fake_tensor("cuda")
-    return dcall.describe(q, q, q, **kwargs)
+    return describe(q, q, q, **kwargs)
 
 
 @needs_torch

@@ -24,7 +24,8 @@ import pytest
 import keras
 from keras import ops
 
-from dcmha import call as dcall
+import dcmha.call
+from dcmha.call import AttentionCall
 from dcmha import ops as dops
 from dcmha import registry
 from dcmha.layers import DCMHA
@@ -73,7 +74,7 @@ SMALL, LARGE = 6, 96                       # T = S: T * S = 36 and 9216
 def describe(T=SMALL, **kwargs):
     """An ``AttentionCall`` on zeros: B=1, T=S, N=N_kv=2, d=d_v=4."""
     x = ops.convert_to_tensor(np.zeros((1, T, 2, 4), np.float32))
-    return dcall.describe(x, x, x, **kwargs)
+    return dcmha.call.describe(x, x, x, **kwargs)
 
 
 def exact(message):
@@ -288,7 +289,7 @@ def test_a_registered_implementation_runs_in_the_layer(toy, reference_case, call
     # One call, through the toy (its own rule asked first), with the layer's validated call.
     assert [kind for kind, _ in module.seen] == ["unsupported", "attention"]
     call = module.seen[1][1]
-    assert isinstance(call, dcall.AttentionCall)
+    assert isinstance(call, AttentionCall)
     assert (call.B, call.T, call.S, call.N, call.G, call.use_causal_mask,
             call.return_attention_scores) == (1, 5, 5, 4, 2, True, True)
     for got, want in zip(out["toy"], out["ops"]):
@@ -337,7 +338,7 @@ def test_a_forced_name_is_refused_for_its_device_and_capabilities(toy, monkeypat
             "scores (return_attention_scores=True), which it does not return; a per-head "
             "(B, N, T, S) attention mask, which it does not take")):
         registry.select("toy_gpu", describe(attention_mask=mask,
-                                                       return_attention_scores=True))
+                                            return_attention_scores=True))
     assert module.seen == []                         # refused before the module runs
     # The module's own rule comes last, word for word.
     module.answers["unsupported"] = "needs a toy"

@@ -1,5 +1,5 @@
 """An out-of-tree implementation, added the way a third-party package adds one, passes the
-conformance suite: conformance/README.md's "Adding a backend", end to end.
+conformance suite: conformance/README.md's "Adding a fast path", end to end.
 
 ``tests/toy_impl`` is the package (``dcmha_toy``: an ``Implementation`` named "toy" on the
 numpy Keras backend, which compiles nothing and keeps the test to seconds, whose ``attention``

@@ -1,4 +1,4 @@
-"""The seam's module for Keras's torch backend (``dcmha.backend``).
+"""The seam's module for Keras's torch backend (``dcmha.framework``).
 
 Eager PyTorch (outside ``torch.compile``) takes PyTorch's own ops on the hot paths of a
 decoding step: a ``keras.ops`` call costs about twice the PyTorch op it wraps (argument
@@ -10,13 +10,13 @@ weights of a step, the fused query projection, the ONNX exporter's ``rms_norm``)
 import numpy as np
 import torch
 
-from dcmha.backend import provided
-from dcmha.backend._common import *  # noqa: F401,F403
-from dcmha.backend._common import __all__  # noqa: F401
-from dcmha.backend._common import _last_logits  # noqa: F401
-from dcmha.backend._common import readable_value as _readable
-from dcmha.backend._common import stack as _stack
-from dcmha.backend._common import unstack as _unstack
+from dcmha.framework import provided
+from dcmha.framework._common import *  # noqa: F401,F403
+from dcmha.framework._common import __all__  # noqa: F401
+from dcmha.framework._common import _last_logits  # noqa: F401
+from dcmha.framework._common import readable_value as _readable
+from dcmha.framework._common import stack as _stack
+from dcmha.framework._common import unstack as _unstack
 from dcmha.spec.reference import W1_NORM_EPS
 
 

@@ -1,4 +1,4 @@
-"""The seam's defaults (``dcmha.backend``): plain ``keras.ops``, no backend-specific
+"""The seam's defaults (``dcmha.framework``): plain ``keras.ops``, no backend-specific
 behaviour. Each backend module imports them and replaces what its backend does
 differently; a Keras backend without a module gets these.
 """
@@ -86,7 +86,7 @@ def call_sublayer(layer, x, **kwargs):
 
 def device(x=None):
     """Where ``x`` is computed on: "cpu", "gpu" or "tpu"; x None: where the backend puts a
-    new array (its default device). The seam's one device probe (``dcmha.backend.on_cpu``,
+    new array (its default device). The seam's one device probe (``dcmha.framework.on_cpu``,
     ``dcmha.registry.current_device``)."""
     return "cpu"
 

@@ -5,7 +5,7 @@ One module per Keras backend (``jax``, ``torch``, ``tensorflow``, ``numpy``), ch
 on first use, from ``keras.backend.backend()``, as Keras keeps its own in
 ``keras/src/backend/<name>/``; a backend without a module here gets the defaults of
 ``_common`` (plain ``keras.ops``). Shared code reads the chosen module's names through
-this package (``from dcmha import backend as seam; seam.readable_value(x)``) and never
+this package (``from dcmha import framework; framework.readable_value(x)``) and never
 compares backend names. ``_common`` lists every name with its default and contract.
 
 The seam is the package's lowest layer but the spec: it imports nothing of dcmha above

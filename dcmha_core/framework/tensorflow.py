@@ -1,4 +1,4 @@
-"""The seam's module for Keras's TensorFlow backend (``dcmha.backend``).
+"""The seam's module for Keras's TensorFlow backend (``dcmha.framework``).
 
 The compiled kernel's op for a decoding step's dynamic weights lives in
 ``dcmha.backends.tf_cpu``, which provides it to the seam (``provide``).
@@ -6,11 +6,11 @@ The compiled kernel's op for a decoding step's dynamic weights lives in
 
 import numpy as np
 
-from dcmha.backend import provided
-from dcmha.backend._common import *  # noqa: F401,F403
-from dcmha.backend._common import __all__  # noqa: F401
-from dcmha.backend._common import _last_logits
-from dcmha.backend._common import readable_value as _readable
+from dcmha.framework import provided
+from dcmha.framework._common import *  # noqa: F401,F403
+from dcmha.framework._common import __all__  # noqa: F401
+from dcmha.framework._common import _last_logits
+from dcmha.framework._common import readable_value as _readable
 from dcmha.spec.reference import W1_NORM_EPS
 
 

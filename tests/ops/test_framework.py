@@ -1,4 +1,4 @@
-"""The framework seam (``dcmha.backend``) on the process's Keras backend
+"""The framework seam (``dcmha.framework``) on the process's Keras backend
 (KERAS_BACKEND=jax|torch|tensorflow|numpy): what each of its functions returns, against
 plain ``keras.ops``, NumPy and the spec; the one device probe; and how fast paths provide
 their kernels to it (``provide``), before their first use on every path.
@@ -18,7 +18,7 @@ import pytest
 import keras
 from keras import ops
 
-from dcmha import backend as seam
+from dcmha import framework
 from dcmha import registry
 from dcmha.spec import reference
 
@@ -30,12 +30,12 @@ def np_(x):
 
 
 def test_the_chosen_module_is_the_backends():
-    assert seam.current().__name__ == f"dcmha.backend.{BACKEND}"
-    common = sys.modules["dcmha.backend._common"]
+    assert framework.current().__name__ == f"dcmha.framework.{BACKEND}"
+    common = sys.modules["dcmha.framework._common"]
     # Every backend module has every name of the contract.
-    assert sorted(seam.current().__all__) == sorted(common.__all__)
+    assert sorted(framework.current().__all__) == sorted(common.__all__)
     for name in common.__all__:
-        assert hasattr(seam.current(), name), name
+        assert hasattr(framework.current(), name), name
 
 
 # ---------------------------------------------------------------------------
@@ -44,7 +44,7 @@ def test_the_chosen_module_is_the_backends():
 
 def test_readable_value_of_an_eager_tensor():
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
-    got = seam.readable_value(ops.convert_to_tensor(x))
+    got = framework.readable_value(ops.convert_to_tensor(x))
     assert isinstance(got, np.ndarray) and np.array_equal(got, x)
 
 
@@ -53,23 +53,23 @@ def test_readable_value_is_none_where_reading_would_bake_the_value():
     if BACKEND == "jax":
         import jax
         seen = []
-        jax.jit(lambda a: seen.append(seam.readable_value(a)) or a)(x)
+        jax.jit(lambda a: seen.append(framework.readable_value(a)) or a)(x)
         assert seen == [None]
     elif BACKEND == "tensorflow":
         import tensorflow as tf
         seen = []
-        tf.function(lambda a: seen.append(seam.readable_value(a)) or a)(tf.constant(x))
+        tf.function(lambda a: seen.append(framework.readable_value(a)) or a)(tf.constant(x))
         assert seen == [None]
     elif BACKEND == "torch":
         import torch
-        assert seam.readable_value(torch.ones((2, 3), device="meta")) is None
+        assert framework.readable_value(torch.ones((2, 3), device="meta")) is None
     else:
         pytest.skip("the numpy backend has no traced tensors")
 
 
 @pytest.mark.parametrize("start,stop", [(0, 5), (3, 11)])
 def test_arange_int32(start, stop):
-    got = seam.arange_int32(start, stop)
+    got = framework.arange_int32(start, stop)
     assert keras.backend.standardize_dtype(got.dtype) == "int32"
     assert np.array_equal(np_(got), np.arange(start, stop, dtype=np.int32))
 
@@ -77,10 +77,10 @@ def test_arange_int32(start, stop):
 @pytest.mark.parametrize("axis", [0, 1, 2])
 def test_stack_and_unstack(rng, axis):
     arrays = [rng.standard_normal((2, 3)).astype(np.float32) for _ in range(4)]
-    stacked = seam.stack([ops.convert_to_tensor(a) for a in arrays], axis)
+    stacked = framework.stack([ops.convert_to_tensor(a) for a in arrays], axis)
     want = np.stack(arrays, axis=axis)
     assert np.array_equal(np_(stacked), want)
-    parts = seam.unstack(stacked, axis, 4)
+    parts = framework.unstack(stacked, axis, 4)
     assert len(parts) == 4
     for got, a in zip(parts, arrays):
         assert np.array_equal(np_(got), a)
@@ -96,7 +96,7 @@ def _written(entry, index, update):
 def test_eager_slice_write_is_none_or_the_write(rng, index):
     entry = rng.standard_normal((2, 8, 3)).astype(np.float32)
     update = rng.standard_normal((2, 2, 3)).astype(np.float32)
-    got = seam.eager_slice_write(ops.convert_to_tensor(entry), index,
+    got = framework.eager_slice_write(ops.convert_to_tensor(entry), index,
                                  ops.convert_to_tensor(update))
     if got is not None:
         assert np.array_equal(np_(got), _written(entry, index, update))
@@ -107,7 +107,7 @@ def test_eager_slice_write_is_none_or_the_write(rng, index):
 def test_cache_writer_is_none_or_the_write(rng, dtype):
     entry = rng.standard_normal((2, 8, 3)).astype(dtype)
     update = rng.standard_normal((2, 2, 3)).astype(np.float32)
-    write = seam.cache_writer(ops.convert_to_tensor(np.int32(5)), 2, 2)
+    write = framework.cache_writer(ops.convert_to_tensor(np.int32(5)), 2, 2)
     assert (write is not None) == (BACKEND == "tensorflow")
     if write is None:
         return
@@ -121,33 +121,33 @@ def test_call_sublayer_is_the_layers_call(rng):
     x = rng.standard_normal((2, 3, 5)).astype(np.float32)
     want = np_(layer(x))
     for given in (x.astype(np.float64), ops.convert_to_tensor(x)):
-        assert np.allclose(np_(seam.call_sublayer(layer, given)), want, rtol=1e-6, atol=1e-6)
+        assert np.allclose(np_(framework.call_sublayer(layer, given)), want, rtol=1e-6, atol=1e-6)
 
 
 def test_to_layer_device_keeps_values(rng):
     x = ops.convert_to_tensor(rng.standard_normal((2, 3)).astype(np.float32))
     cache = {"k": ops.convert_to_tensor(np.zeros((1, 2), np.float32))}
-    got = seam.to_layer_device((x, x, None, cache))
+    got = framework.to_layer_device((x, x, None, cache))
     assert len(got) == 4 and got[0] is got[1] and got[2] is None
     assert np.array_equal(np_(got[0]), np_(x))
     assert np.array_equal(np_(got[3]["k"]), np.zeros((1, 2), np.float32))
 
 
 def test_step_index_and_whole_values():
-    assert int(np_(seam.step_index(3))) == 3
+    assert int(np_(framework.step_index(3))) == 3
     values = [ops.convert_to_tensor(np.arange(4, dtype=np.float32)), np.ones((2,), np.int32)]
-    got = seam.whole_values(values)
+    got = framework.whole_values(values)
     assert all(isinstance(g, np.ndarray) for g in got)
     assert np.array_equal(got[0], np.arange(4, dtype=np.float32))
     assert np.array_equal(got[1], np.ones((2,), np.int32))
 
 
 def test_flags_are_typed():
-    assert isinstance(seam.LOOPED_CHUNKS, bool) and isinstance(seam.TORCH_MODULES, bool)
-    assert isinstance(seam.SHARD_MAP, bool)
-    assert seam.DEMO_JIT_COMPILE in ("auto", True, False)
-    assert seam.TORCH_MODULES == (BACKEND == "torch")
-    assert seam.SHARD_MAP == (BACKEND == "jax")
+    assert isinstance(framework.LOOPED_CHUNKS, bool) and isinstance(framework.TORCH_MODULES, bool)
+    assert isinstance(framework.SHARD_MAP, bool)
+    assert framework.DEMO_JIT_COMPILE in ("auto", True, False)
+    assert framework.TORCH_MODULES == (BACKEND == "torch")
+    assert framework.SHARD_MAP == (BACKEND == "jax")
 
 
 # ---------------------------------------------------------------------------
@@ -155,17 +155,17 @@ def test_flags_are_typed():
 # ---------------------------------------------------------------------------
 
 def test_device_is_the_one_probe():
-    where = seam.device()
+    where = framework.device()
     assert where in ("cpu", "gpu", "tpu")
     x = ops.convert_to_tensor(np.zeros((1, 4, 2, 8), np.float32))
-    assert seam.device(x) == where              # a new tensor goes to the default device
-    assert seam.on_cpu() == (where == "cpu") and seam.on_cpu(x) == (where == "cpu")
-    from dcmha import call as dcall
-    call = dcall.describe(x, x, x)
-    assert registry.current_device(call) == seam.device(x)
+    assert framework.device(x) == where              # a new tensor goes to the default device
+    assert framework.on_cpu() == (where == "cpu") and framework.on_cpu(x) == (where == "cpu")
+    from dcmha.call import describe
+    call = describe(x, x, x)
+    assert registry.current_device(call) == framework.device(x)
     if BACKEND == "torch":
         import torch
-        assert seam.device(torch.zeros(1, device="meta")) == "cpu"
+        assert framework.device(torch.zeros(1, device="meta")) == "cpu"
 
 
 # ---------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def _dynamic_case(rng, rows=1):
 def test_step_dynamic_weights_is_none_or_the_spec(rng):
     case = _dynamic_case(rng)
     args = [ops.convert_to_tensor(case[n]) for n in ("x", "dw1", "qkw", "dd")]
-    got = seam.step_dynamic_weights(*args, C=len(SLOTS), rank=case["R"],
+    got = framework.step_dynamic_weights(*args, C=len(SLOTS), rank=case["R"],
                                     gelu_approximate=True)
     if BACKEND in ("jax", "numpy"):
         assert got is None
@@ -208,7 +208,7 @@ def test_fused_query_projection_is_none_or_the_spec(rng):
                                                case["qkw"], case["dd"])]
     # Twice: torch's kernel concatenates the weights at the first call with them.
     for _ in range(2):
-        got = seam.fused_query_projection(*args, C=len(SLOTS), rank=case["R"],
+        got = framework.fused_query_projection(*args, C=len(SLOTS), rank=case["R"],
                                           gelu_approximate=True)
     if BACKEND != "torch":
         assert got is None
@@ -232,21 +232,21 @@ def test_fused_query_projection_is_none_or_the_spec(rng):
 @pytest.fixture
 def clean_seam(monkeypatch):
     """The seam's table of provided functions, emptied for one test and restored after."""
-    monkeypatch.setattr(seam, "_loaders", {})
-    monkeypatch.setattr(seam, "_loaded", {})
-    monkeypatch.setattr(seam, "_finder", None)
+    monkeypatch.setattr(framework, "_loaders", {})
+    monkeypatch.setattr(framework, "_loaded", {})
+    monkeypatch.setattr(framework, "_finder", None)
 
 
 def test_provide_refuses_an_unknown_name_and_a_non_callable(clean_seam):
     with pytest.raises(ValueError, match=r"^`name` must be one of \['fused_query_projection', "
                        r"'prepare_onnx_export', 'step_dynamic_weights'\]\. "
                        r"Received: name='kernel'$"):
-        seam.provide("torch", "kernel", lambda: None)
+        framework.provide("torch", "kernel", lambda: None)
     with pytest.raises(TypeError, match=r"^`load` must be callable\. Received: load=3$"):
-        seam.provide("torch", "step_dynamic_weights", 3)
+        framework.provide("torch", "step_dynamic_weights", 3)
     with pytest.raises(TypeError, match=r"^`find` must be callable or None\. "
                        r"Received: find='x'$"):
-        seam.set_finder("x")
+        framework.set_finder("x")
 
 
 def test_provided_loads_once_on_first_use(clean_seam):
@@ -255,22 +255,22 @@ def test_provided_loads_once_on_first_use(clean_seam):
     def load():
         loads.append(1)
         return len
-    seam.provide("a_backend", "step_dynamic_weights", load)
+    framework.provide("a_backend", "step_dynamic_weights", load)
     assert loads == []                                 # providing loads nothing
-    assert seam.provided("a_backend", "step_dynamic_weights") is len
-    assert seam.provided("a_backend", "step_dynamic_weights") is len
+    assert framework.provided("a_backend", "step_dynamic_weights") is len
+    assert framework.provided("a_backend", "step_dynamic_weights") is len
     assert loads == [1]
-    assert seam.provided("a_backend", "fused_query_projection") is None
-    assert seam.provided("other_backend", "step_dynamic_weights") is None
-    seam.provide("a_backend", "step_dynamic_weights", lambda: max)   # replaced
-    assert seam.provided("a_backend", "step_dynamic_weights") is max
+    assert framework.provided("a_backend", "fused_query_projection") is None
+    assert framework.provided("other_backend", "step_dynamic_weights") is None
+    framework.provide("a_backend", "step_dynamic_weights", lambda: max)   # replaced
+    assert framework.provided("a_backend", "step_dynamic_weights") is max
 
 
 def test_a_load_that_cannot_import_gives_none(clean_seam):
     def load():
         raise ImportError("no framework")
-    seam.provide("a_backend", "prepare_onnx_export", load)
-    assert seam.provided("a_backend", "prepare_onnx_export") is None
+    framework.provide("a_backend", "prepare_onnx_export", load)
+    assert framework.provided("a_backend", "prepare_onnx_export") is None
 
 
 def test_the_finder_runs_once_before_the_first_lookup(clean_seam):
@@ -278,19 +278,19 @@ def test_the_finder_runs_once_before_the_first_lookup(clean_seam):
 
     def find():
         runs.append(1)
-        seam.provide("a_backend", "step_dynamic_weights", lambda: len)
-    assert seam.provided("a_backend", "step_dynamic_weights") is None   # no finder yet
-    seam.set_finder(find)                 # forgets the miss: the next lookup runs it
+        framework.provide("a_backend", "step_dynamic_weights", lambda: len)
+    assert framework.provided("a_backend", "step_dynamic_weights") is None   # no finder yet
+    framework.set_finder(find)                 # forgets the miss: the next lookup runs it
     assert runs == []
-    assert seam.provided("a_backend", "step_dynamic_weights") is len
-    assert seam.provided("a_backend", "fused_query_projection") is None
+    assert framework.provided("a_backend", "step_dynamic_weights") is len
+    assert framework.provided("a_backend", "fused_query_projection") is None
     assert runs == [1]
 
 
 def test_the_registry_is_the_finder():
     """Importing the registry (as ``dcmha.ops`` does) hands the seam its table's load."""
     fresh = subprocess.run(
-        [sys.executable, "-c", "import dcmha.registry as r, dcmha.backend as s; "
+        [sys.executable, "-c", "import dcmha.registry as r, dcmha.framework as s; "
                                "print(s._finder is r.implementations)"],
         capture_output=True, text=True, env=dict(os.environ, KERAS_BACKEND=BACKEND),
         timeout=300)
@@ -314,7 +314,7 @@ _FIRST_DYNAMIC = """
 import sys
 import numpy as np
 import dcmha.ops as dops
-from dcmha import backend as seam
+from dcmha import framework
 assert not any(m.startswith("dcmha.backends") for m in sys.modules), "imported early"
 rng = np.random.default_rng(0)
 x, dw1 = rng.standard_normal((1, 1, 8)), rng.standard_normal((8, 1, 2, 4))
@@ -322,7 +322,7 @@ qkw, dd = rng.standard_normal((1, 2, 4, 2, 2)), rng.standard_normal((8, 1, 4))
 args = [a.astype(np.float32) for a in (x, dw1, qkw, dd)]
 {convert}
 run(*args)
-fn = seam._loaded.get(({backend!r}, "step_dynamic_weights"))
+fn = framework._loaded.get(({backend!r}, "step_dynamic_weights"))
 print(getattr(fn, "__module__", None))
 """
 
@@ -358,10 +358,10 @@ def test_the_export_preparation_finds_the_provided_function():
     code = """
 import sys
 import dcmha.models
-from dcmha import backend as seam
+from dcmha import framework
 assert "dcmha.backends.torch_native" not in sys.modules
-seam.prepare_export("onnx")
-fn = seam._loaded.get(("torch", "prepare_onnx_export"))
+framework.prepare_export("onnx")
+fn = framework._loaded.get(("torch", "prepare_onnx_export"))
 print(f"{fn.__module__}.{fn.__name__}")
 """
     assert _run_fresh(code) == "dcmha.backends.torch_native.onnx_symbolic.register_rms_norm"

@@ -1,12 +1,12 @@
-"""The seam's module for Keras's JAX backend (``dcmha.backend``)."""
+"""The seam's module for Keras's JAX backend (``dcmha.framework``)."""
 
 import numpy as np
 
-from dcmha.backend._common import *  # noqa: F401,F403
-from dcmha.backend._common import __all__  # noqa: F401
-from dcmha.backend._common import _last_logits
-from dcmha.backend._common import readable_value as _readable
-from dcmha.backend._common import whole_values as _whole_values
+from dcmha.framework._common import *  # noqa: F401,F403
+from dcmha.framework._common import __all__  # noqa: F401
+from dcmha.framework._common import _last_logits
+from dcmha.framework._common import readable_value as _readable
+from dcmha.framework._common import whole_values as _whole_values
 
 
 def readable_value(x):
