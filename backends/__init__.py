@@ -12,7 +12,7 @@ import importlib.util
 
 #: T * S from which ``implementation="auto"`` takes the blocked PyTorch core ("torch") over
 #: the plain one: below it both take a few milliseconds, dominated by per-op overhead (see
-#: backends/torch_native/keras_core.py). The compiled XLA and TensorFlow paths set their own
+#: backends/torch_native/core.py). The compiled XLA and TensorFlow paths set their own
 #: (``cpu_kernel_package``'s ``min_length_product``; RESULTS.md, "Dispatch thresholds").
 CPU_MIN_LENGTH_PRODUCT = 64 * 128
 
@@ -69,7 +69,7 @@ def cpu_kernel_package(package: str, name: str, backend: str, module: str, *, pr
     from dcmha.registry import Implementation
 
     impl = Implementation(
-        name=name, backend=backend, module=f"{package}.keras_core",
+        name=name, backend=backend, module=f"{package}.core",
         devices=frozenset({"cpu"}), auto_devices=frozenset({"cpu"}), lacks=CPU_KERNEL_LACKS,
         priority=priority, min_length_product=min_length_product, description=description)
 

@@ -2,7 +2,7 @@
 
 Importing this package does not import JAX: the module ``dcmha_jax_cpu`` loads
 on first use of one of its names. See ``dcmha_jax_cpu`` for the API and
-``keras_core`` for the Keras fast path (``DCMHA(implementation="jax_cpu")``).
+``core`` for the Keras fast path (``DCMHA(implementation="jax_cpu")``).
 """
 
 from dcmha.backends import cpu_kernel_package, decode_implementation

@@ -37,7 +37,7 @@ __getattr__ = lazy_attributes(__name__, "dcmha_pallas",
                                "dcmha_attention_reference"))
 
 IMPLEMENTATION = Implementation(
-    name="pallas", backend="jax", module="dcmha.backends.pallas.keras_core",
+    name="pallas", backend="jax", module="dcmha.backends.pallas.core",
     devices=frozenset({"cpu", "gpu", "tpu"}), auto_devices=frozenset({"gpu"}),
     lacks=frozenset({"intermediates", "dropout", "head_masks", "traced_offset",
                      "symbolic_shapes"}),

@@ -2,7 +2,7 @@
 
 Importing this package does not import PyTorch: the module ``dcmha_torch``
 loads on first use of one of its names. See ``dcmha_torch`` for the API (the
-same shape of API as the Triton, Pallas and XLA backends) and ``keras_core``
+same shape of API as the Triton, Pallas and XLA backends) and ``core``
 for the Keras fast path (``DCMHA(implementation="torch")``).
 
 Importing it also hands the framework seam (``dcmha.framework``) eager PyTorch's kernels
@@ -30,7 +30,7 @@ __getattr__ = lazy_attributes(__name__, "dcmha_torch",
                               ("dcmha_attention", "dcmha_attention_reference", "default_block_q"))
 
 IMPLEMENTATION = Implementation(
-    name="torch", backend="torch", module="dcmha.backends.torch_native.keras_core",
+    name="torch", backend="torch", module="dcmha.backends.torch_native.core",
     devices=frozenset({"cpu", "gpu"}), auto_devices=frozenset({"cpu"}),
     lacks=frozenset({"intermediates", "dropout", "head_masks", "symbolic_shapes"}),
     priority=10, min_length_product=CPU_MIN_LENGTH_PRODUCT,

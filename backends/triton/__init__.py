@@ -36,7 +36,7 @@ __getattr__ = lazy_attributes(__name__, "dcmha_triton",
                                "dcmha_attention_reference"))
 
 IMPLEMENTATION = Implementation(
-    name="triton", backend="torch", module="dcmha.backends.triton.keras_core",
+    name="triton", backend="torch", module="dcmha.backends.triton.core",
     devices=frozenset({"gpu"}), auto_devices=frozenset({"gpu"}),
     lacks=frozenset({"intermediates", "dropout", "head_masks", "symbolic_shapes"}),
     priority=20, cpu_env={"TRITON_INTERPRET": "1"},

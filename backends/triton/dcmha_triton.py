@@ -20,7 +20,7 @@ program's tiles stay in registers; dots are three TF32 tensor-core products
 (``offline.compile_only``).
 
 ``dcmha_attention`` validates its arguments once and runs ``dcmha_attention_call`` on the
-validated ``dcmha.call.AttentionCall``; the registry's path (``keras_core``) calls the
+validated ``dcmha.call.AttentionCall``; the registry's path (``core``) calls the
 latter directly. Scores, composition, softmax and accumulation are float32 whatever the
 input dtype. The kernels run compiled on CUDA tensors, or on CPU tensors through Triton's
 interpreter when ``TRITON_INTERPRET=1`` is set before Triton is first imported.

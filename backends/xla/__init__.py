@@ -15,7 +15,7 @@ __all__ = ["IMPLEMENTATION", "DECODE_IMPLEMENTATION", "dcmha_attention", "dcmha_
            "is_available"]
 
 IMPLEMENTATION = Implementation(
-    name="xla", backend="tensorflow", module="dcmha.backends.xla.keras_core",
+    name="xla", backend="tensorflow", module="dcmha.backends.xla.core",
     devices=frozenset({"cpu", "gpu"}), auto_devices=frozenset({"cpu", "gpu"}),
     lacks=frozenset({"intermediates", "dropout", "head_masks", "traced_offset",
                      "query_offset"}),

@@ -29,7 +29,7 @@ from dcmha import registry  # noqa: E402
 from tests.kernel_cases import assert_close, make_problem, spec_result  # noqa: E402
 from keras import ops  # noqa: E402
 
-keras_core = importlib.import_module(f"dcmha.backends.{PATH}.keras_core")
+path_core = importlib.import_module(f"dcmha.backends.{PATH}.core")
 
 HAVE_COMPILERS = (any(shutil.which(c) for c in ("cc", "gcc", "clang"))
                   and any(shutil.which(c) for c in ("c++", "g++", "clang++")))
@@ -97,7 +97,7 @@ def test_kernel_builds_where_compilers_exist(monkeypatch):
     monkeypatch.setenv("DCMHA_CPU_KERNEL", "0")
     assert not core.load()
     assert core.unavailable_reason() == "disabled by DCMHA_CPU_KERNEL"
-    assert keras_core.unsupported(_call(64, 128)) == (
+    assert path_core.unsupported(_call(64, 128)) == (
         "the compiled CPU kernel is unavailable: disabled by DCMHA_CPU_KERNEL")
 
 
@@ -204,7 +204,7 @@ def test_tf_cpu_leaves_xla_clusters_to_the_xla_path():
     @tf.function(jit_compile=True)
     def traced(q):
         call = _call(64, 128, q=q)
-        seen["reason"] = keras_core.unsupported(call)
+        seen["reason"] = path_core.unsupported(call)
         seen["auto"] = registry.select("auto", call)[0]
         return q
 

@@ -34,7 +34,8 @@ torch = pytest.importorskip("torch")
 from tests import kernel_cases  # noqa: E402
 from dcmha.backends import cpu_kernel  # noqa: E402
 from dcmha.backends import torch_native as tn  # noqa: E402
-from dcmha.backends.torch_native import blocks, dcmha_torch, keras_core  # noqa: E402
+from dcmha.backends.torch_native import blocks, dcmha_torch  # noqa: E402
+from dcmha.backends.torch_native import core as path_core  # noqa: E402
 from tests.kernel_cases import TERMS, assert_close, spec_result  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -464,11 +465,11 @@ def _call(q, k, v, **over):
 def test_registry_contract():
     from dcmha import registry
     impl = registry.get("torch")
-    assert (impl.backend, impl.module) == ("torch", "dcmha.backends.torch_native.keras_core")
+    assert (impl.backend, impl.module) == ("torch", "dcmha.backends.torch_native.core")
     assert impl.auto_devices == {"cpu"} and impl.min_length_product == 64 * 128
     small = [torch.zeros(1, 8, 2, 4)] * 3
     big = [torch.zeros(1, 96, 2, 4)] * 3
-    assert keras_core.unsupported(_call(*small)) is None
+    assert path_core.unsupported(_call(*small)) is None
     # Declared capabilities: refused by the registry, with the reason.
     for over, need in [(dict(return_intermediates=True), "intermediates"),
                        (dict(dropout_rate=0.1, training=True), "dropout")]:
@@ -478,8 +479,8 @@ def test_registry_contract():
                                              "the call needs "):
             registry.select("torch", call)
     assert _call(*small, dropout_rate=0.1, training=False).needs == frozenset()
-    assert keras_core.unsupported(_call(*small, query_offset=torch.tensor(3))) is None
-    assert keras_core._offset(torch.tensor(3)) == 3
+    assert path_core.unsupported(_call(*small, query_offset=torch.tensor(3))) is None
+    assert path_core._offset(torch.tensor(3)) == 3
     with pytest.raises(ValueError, match=r"^`query_offset` must be an integer or an integer "
                                          r"scalar tensor\. Received: query_offset\.shape=\(\), "
                                          r"query_offset\.dtype=float32$"):

@@ -105,8 +105,8 @@ def _worker():
     # The per-shard wrapper on its own, forward: GQA whose 2 kv heads the 4-way model axis
     # cannot split (repeated to the query heads), every term kind, a (B, 1, S) mask and,
     # on "pallas", the attention scores (B, N, T, S).
-    from dcmha.backends.jax_cpu import keras_core as cpu_core
-    from dcmha.backends.pallas import keras_core as pallas_core
+    from dcmha.backends.jax_cpu import core as cpu_core
+    from dcmha.backends.pallas import core as pallas_core
     from dcmha.call import describe
     B, T, N, N_kv, G, R = BATCH, 16, 8, 2, 4, 1
     arrays = {n: rng.standard_normal(shape).astype("float32") for n, shape in (

@@ -191,7 +191,7 @@ def edges_of(module, source, modules, is_package=False):
             while target and target not in modules and "." in target:
                 target = target.rsplit(".", 1)[0]
             # A module's own packages are imported before it runs: importing one adds no
-            # dependency (``from dcmha.backends import pallas`` in pallas.keras_core).
+            # dependency (``from dcmha.backends import pallas`` in pallas.core).
             if target in modules and not (module + ".").startswith(target + "."):
                 out.append((target, node.lineno))
     return out

@@ -282,7 +282,7 @@ def _fake_tensor(device_type):
 
 def test_importing_the_triton_path_does_not_import_triton():
     before = "triton" in sys.modules
-    kc = importlib.import_module("dcmha.backends.triton.keras_core")
+    kc = importlib.import_module("dcmha.backends.triton.core")
     assert callable(kc.unsupported) and callable(kc.preferred) and callable(kc.attention)
     if not before:
         assert "triton" not in sys.modules
@@ -290,7 +290,7 @@ def test_importing_the_triton_path_does_not_import_triton():
 
 @pytest.mark.parametrize("installed", [True, False])
 def test_triton_preferred_only_for_cuda_tensors_with_triton(monkeypatch, installed):
-    kc = importlib.import_module("dcmha.backends.triton.keras_core")
+    kc = importlib.import_module("dcmha.backends.triton.core")
     monkeypatch.setattr(kc, "_triton_installed", lambda: installed)
     on = lambda device: types.SimpleNamespace(q=_fake_tensor(device))  # noqa: E731
     assert kc.preferred(on("cuda")) is installed
@@ -308,7 +308,7 @@ def _fake_call(**kwargs):
 
 @needs_torch
 def test_auto_takes_triton_for_cuda_tensors(monkeypatch):
-    kc = importlib.import_module("dcmha.backends.triton.keras_core")
+    kc = importlib.import_module("dcmha.backends.triton.core")
     monkeypatch.setattr(kc, "_triton_installed", lambda: True)
     monkeypatch.setattr(kc, "_interpreting", lambda: False)
     call = _fake_call()
@@ -372,7 +372,7 @@ def test_forced_triton_on_cpu_without_interpret_is_refused(monkeypatch, referenc
 def test_forced_triton_on_cpu_with_compiled_triton_is_refused(monkeypatch):
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed")
-    kc = importlib.import_module("dcmha.backends.triton.keras_core")
+    kc = importlib.import_module("dcmha.backends.triton.core")
     # The environment says interpret, but Triton was loaded compiled (it fixes its mode
     # when first imported): the module's rule, which knows the loaded mode, refuses.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -386,7 +386,7 @@ def test_forced_triton_on_cpu_with_compiled_triton_is_refused(monkeypatch):
 
 @needs_torch
 def test_triton_refuses_other_calls_it_cannot_run():
-    kc = importlib.import_module("dcmha.backends.triton.keras_core")
+    kc = importlib.import_module("dcmha.backends.triton.core")
     p = problem()
     for name in ("qw1", "qw2", "kw1", "kw2"):       # the post stage at rank 1, pre at 2
         p["post"][name] = p["post"][name][:, :, :, :1]

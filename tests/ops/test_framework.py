@@ -347,7 +347,7 @@ args = [tf.constant(a) for a in args]
 run = tf.function(lambda *a: dops.dynamic_weights(*a, slots=("pre_query", "post_key"),
                                                    rank=1))
 """
-        want = "dcmha.backends.tf_cpu.keras_core"
+        want = "dcmha.backends.tf_cpu.core"
     assert _run_fresh(_FIRST_DYNAMIC.format(convert=convert, backend=BACKEND)) == want
 
 
