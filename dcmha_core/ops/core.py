@@ -238,9 +238,9 @@ def join_blocks(parts, axis=1):
 
 
 #: More query chunks than this are not unrolled on the tracing backends
-#: (``dcmha.framework.LOOPED_CHUNKS``): they run as ``_LOOP_SPANS`` spans of equal chunks, each span an
-#: ``ops.map`` loop against the keys its queries can see, so the traced graph
-#: (and the compile time) stays bounded for long sequences.
+#: (``dcmha.framework.LOOPED_CHUNKS``): they run as ``_LOOP_SPANS`` spans of equal
+#: chunks, each span an ``ops.map`` loop against the keys its queries can see, so the
+#: traced graph (and the compile time) stays bounded for long sequences.
 MAX_UNROLLED_CHUNKS = 64
 _LOOP_SPANS = 16
 

@@ -40,7 +40,7 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
     weights = [w.value if isinstance(w, keras.Variable) else w for w in (dw1, qkw, dd)]
     C = len(slots)
     split = framework.step_dynamic_weights(x, *weights, C=C, rank=rank,
-                                      gelu_approximate=gelu_approximate)
+                                           gelu_approximate=gelu_approximate)
     if split is None:
         stacked = plain_dynamic_weights(x, dw1, qkw, dd, C=C, rank=rank,
                                         gelu_approximate=gelu_approximate)
@@ -69,7 +69,7 @@ def fused_query_projection(x, kernel, bias, dw1, qkw, dd, *, slots, rank,
     weights = [w.value if isinstance(w, keras.Variable) else w
                for w in (kernel, bias, dw1, qkw, dd)]
     out = framework.fused_query_projection(x, *weights, C=len(slots), rank=rank,
-                                      gelu_approximate=gelu_approximate)
+                                           gelu_approximate=gelu_approximate)
     if out is None:
         return None
     q, stacked = out

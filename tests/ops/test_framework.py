@@ -97,7 +97,7 @@ def test_eager_slice_write_is_none_or_the_write(rng, index):
     entry = rng.standard_normal((2, 8, 3)).astype(np.float32)
     update = rng.standard_normal((2, 2, 3)).astype(np.float32)
     got = framework.eager_slice_write(ops.convert_to_tensor(entry), index,
-                                 ops.convert_to_tensor(update))
+                                      ops.convert_to_tensor(update))
     if got is not None:
         assert np.array_equal(np_(got), _written(entry, index, update))
     assert (got is not None) == (BACKEND == "torch")
@@ -186,7 +186,7 @@ def test_step_dynamic_weights_is_none_or_the_spec(rng):
     case = _dynamic_case(rng)
     args = [ops.convert_to_tensor(case[n]) for n in ("x", "dw1", "qkw", "dd")]
     got = framework.step_dynamic_weights(*args, C=len(SLOTS), rank=case["R"],
-                                    gelu_approximate=True)
+                                         gelu_approximate=True)
     if BACKEND in ("jax", "numpy"):
         assert got is None
     if got is None:
@@ -209,7 +209,7 @@ def test_fused_query_projection_is_none_or_the_spec(rng):
     # Twice: torch's kernel concatenates the weights at the first call with them.
     for _ in range(2):
         got = framework.fused_query_projection(*args, C=len(SLOTS), rank=case["R"],
-                                          gelu_approximate=True)
+                                               gelu_approximate=True)
     if BACKEND != "torch":
         assert got is None
     if got is None:
