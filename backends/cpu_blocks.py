@@ -213,7 +213,11 @@ def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, c
         vis = dops.block_mask(mask, t0, t1, s0, s1, use_causal_mask=causal,
                                sliding_window=sliding_window, query_offset=query_offset)
         if vis is not None:
-            x = ops.where(vis[:, None, None], x, _NEG)
+            # Added, not selected: the gradient of an addition passes straight through,
+            # where a select costs a pass over the block in the backward (it cannot fuse
+            # with the kernel's compose). x + _NEG is _NEG exactly for |x| < 3e22 (half
+            # the spacing of float32 near 1e30), so the forward is the select's.
+            x = x + ops.where(vis, 0.0, _NEG)[:, None, None]
         # one visible key: softmax is 1 (a masked one belongs to a fully masked row)
         p = ops.ones_like(x) if s == 1 else ops.softmax(x, axis=-1)
         if stages[1] is not None:
