@@ -814,7 +814,7 @@ class DCMHA(keras.layers.Layer):
         q = self._qk(q, qscale, q_pos)
 
         def dynamic(projection, x, slots=None):
-            # A DynamicWeightProjection's call, through the framework.
+            # A DynamicWeightProjection's call, through the framework seam.
             return framework.call_sublayer(projection, x, slots=slots)
 
         if c.cross_attention:
