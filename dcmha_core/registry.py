@@ -20,8 +20,8 @@ kernel that must build; run last). ``call`` is the validated
 Selection (``select``): a forced name runs, or a ValueError says why it
 cannot; ``"auto"`` walks the active backend's implementations by ``priority``
 and takes the first whose declared facts (device, capabilities, size
-threshold) and ``preferred`` accept the call and whose ``unsupported`` finds
-nothing, else ``"ops"``. Declared facts and preferences are evaluated before
+threshold, one-query calls only) and ``preferred`` accept the call and whose
+``unsupported`` finds nothing, else ``"ops"``. Declared facts and preferences are evaluated before
 anything is imported or built, so a small call never builds a kernel.
 ``explain(call)`` returns every candidate with the reason it was passed over;
 ``logging.getLogger("dcmha.dispatch")`` logs the choice at DEBUG level.
@@ -83,7 +83,8 @@ class Implementation:
         cpu_env: environment variables a process must set before importing the
             framework to run it on a CPU (e.g. Triton's interpreter), {} if none.
         one_query_only: it computes one-query calls (T = 1, a decoding step) itself
-            and runs every other call through the plain core (``dcmha.ops``).
+            and runs every other call through the plain core (``dcmha.ops``);
+            ``"auto"`` takes it for one-query calls only.
         description: one line for tables and error messages.
     """
 
@@ -301,6 +302,8 @@ def _auto_problem(impl: Implementation, call, device: str) -> Tuple[Optional[str
     problem = _lacks_problem(impl, call)
     if problem:
         return problem, None
+    if impl.one_query_only and call.T != 1:
+        return f"'auto' takes it for one-query calls (T = 1); this call has T = {call.T}", None
     if impl.min_length_product and (call.length_product is None
                                     or call.length_product < impl.min_length_product):
         return (f"'auto' takes it from T * S >= {impl.min_length_product}; this call has "

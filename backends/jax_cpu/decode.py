@@ -22,11 +22,6 @@ that names it goes to the plain core, ``dcmha.ops.attention``, so a forced
 from __future__ import annotations
 
 
-def preferred(call) -> bool:
-    """``"auto"`` takes this path for one-query calls (decoding steps)."""
-    return call.T == 1
-
-
 def unsupported(call):
     """None, or why this path cannot run ``call`` (the kernel does not build)."""
     from . import dcmha_jax_cpu

@@ -16,7 +16,7 @@ reads the key-side weights in the cache's layout); without the kernel
 ``dynamic_weights`` (a step's dynamic weights by the kernel) and ``fused_projection`` (the
 query projection and the dynamic projection as one product).
 
-``"auto"`` takes it for T == 1 calls (``preferred``). Any other call that names
+``"auto"`` takes it for T == 1 calls (its registration declares ``one_query_only``). Any other call that names
 it goes to the plain core, ``dcmha.ops.attention``, so a forced
 ``implementation="torch_decode"`` runs every call.
 """
@@ -30,11 +30,6 @@ import weakref
 from dcmha.spec import terms as spec_terms
 
 from .. import cpu_kernel
-
-
-def preferred(call):
-    """``"auto"`` takes this path for one-query calls (decoding steps)."""
-    return call.T == 1
 
 
 def _visible(call, S, device):

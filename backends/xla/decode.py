@@ -32,7 +32,7 @@ _STEP = []       # the compiled step, made on first use (importing TensorFlow th
 
 def preferred(call) -> bool:
     """``"auto"`` takes this path for one-query calls traced into a graph."""
-    if call.T != 1 or call.S is None:
+    if call.S is None:                       # T == 1: declared (``one_query_only``)
         return False
     import tensorflow as tf
     return not tf.executing_eagerly()

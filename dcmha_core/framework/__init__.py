@@ -6,7 +6,9 @@ on first use, from ``keras.backend.backend()``, as Keras keeps its own in
 ``keras/src/backend/<name>/``; a backend without a module here gets the defaults of
 ``_common`` (plain ``keras.ops``). Shared code reads the chosen module's names through
 this package (``from dcmha import framework; framework.readable_value(x)``) and never
-compares backend names. ``_common`` lists every name with its default and contract.
+compares backend names. ``_common`` lists every name with its default and contract. The
+first name read binds all of them to this package, as Keras's ``keras.src.backend`` does
+at import, so later reads are plain attribute lookups.
 
 The seam is the package's lowest layer but the spec: it imports nothing of dcmha above
 it. What it needs from above is handed to it:
@@ -20,8 +22,8 @@ it. What it needs from above is handed to it:
   runs it, so a fast path has registered before its first possible use, whichever call
   comes first.
 
-``device(x)`` is the one device probe ("cpu", "gpu" or "tpu"); ``on_cpu()`` and the
-registry's ``current_device`` read it.
+``device(x)`` is the one device probe ("cpu", "gpu" or "tpu"); the plain core's block
+size and the registry's ``current_device`` read it.
 """
 
 import importlib
@@ -48,13 +50,13 @@ def current():
 def __getattr__(name):
     if name.startswith("__"):
         raise AttributeError(name)
-    return getattr(current(), name)
-
-
-def on_cpu(x=None):
-    """Whether ``x`` (None: a new array of the active backend) lives on the CPU:
-    ``device(x) == "cpu"``."""
-    return current().device(x) == "cpu"
+    module = current()
+    value = getattr(module, name)            # AttributeError: not a name of the seam
+    from dcmha.framework import _common
+    g = globals()
+    for n in _common.__all__:                # bind the seam's names once
+        g.setdefault(n, getattr(module, n))
+    return value
 
 
 # ---------------------------------------------------------------------------

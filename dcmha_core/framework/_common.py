@@ -1,8 +1,12 @@
 """The seam's defaults (``dcmha.framework``): plain ``keras.ops``, no backend-specific
 behaviour. Each backend module imports them and replaces what its backend does
 differently; a Keras backend without a module gets these.
+
+Also the casts every backend shares (``dtype_name``, ``as_dtype``: they exist because a
+cast costs a framework op per call; ``dcmha.ops`` exports them).
 """
 
+import keras
 import numpy as np
 
 __all__ = ["readable_value", "to_layer_device", "arange_int32", "stack", "unstack",
@@ -86,7 +90,7 @@ def call_sublayer(layer, x, **kwargs):
 
 def device(x=None):
     """Where ``x`` is computed on: "cpu", "gpu" or "tpu"; x None: where the backend puts a
-    new array (its default device). The seam's one device probe (``dcmha.framework.on_cpu``,
+    new array (its default device). The seam's one device probe (read by the plain core and
     ``dcmha.registry.current_device``)."""
     return "cpu"
 
@@ -140,3 +144,31 @@ def whole_values(values):
     process."""
     from keras import ops
     return [np.asarray(ops.convert_to_numpy(x)) for x in values]
+
+
+#: dtype object -> Keras's name for it (``keras.backend.standardize_dtype`` costs more
+#: than the cast it would save on a hot path; the dtype objects of a process are few).
+_DTYPE_NAMES = {}
+
+
+def dtype_name(dtype):
+    """Keras's name of a dtype object (cached)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):            # TypeError: an unhashable dtype object
+        name = keras.backend.standardize_dtype(dtype)
+        try:
+            _DTYPE_NAMES[dtype] = name
+        except TypeError:
+            pass
+        return name
+
+
+def as_dtype(x, dtype):
+    """``ops.cast(x, dtype)``, skipped when ``x`` already has ``dtype`` (even a cast that
+    changes nothing costs a Keras op per call in eager PyTorch: a decoding step has
+    dozens of them). Anything but a backend tensor (a ``keras.Variable``, a NumPy array)
+    is always cast: callees get a backend tensor."""
+    if keras.ops.is_tensor(x) and dtype_name(x.dtype) == dtype:
+        return x
+    return keras.ops.cast(x, dtype)

@@ -4,10 +4,11 @@
                   the registry, ``explain_implementation``; the plain ``keras.ops`` core
                   it falls back on, the "ops" implementation (``attention``): query
                   blocks, looped chunks, the one-query path
-    composition   head composition: ``compose``, its small factors, ``decode_compose``
+    composition   head composition: ``compose``, its small factors, ``decode_compose``,
+                  and the dynamic terms (``dynamic_weights``, ``rms_normalize``)
     masks         block masks, their standard form, the keys a block can see
-    dynamic       dynamic composition weights (``dynamic_weights``)
-    tensors       small pieces: RMS normalisation, rotary embedding, casts, cache writes
+    tensors       small pieces: rotary embedding, stacking, cache writes (the casts
+                  ``as_dtype`` and ``dtype_name`` are the seam's)
 
 Shapes use the spec's letters (see ``dcmha.spec.reference``): B batch, T query
 length, S key length, N query heads, N_kv key/value heads, G groups, M = N / G,
@@ -38,15 +39,16 @@ change ``MAX_UNROLLED_CHUNKS`` or replace ``_attention_one_query``, set it on
 ``dcmha.registry.select`` (read from the registry at every call).
 """
 
+from dcmha.framework._common import as_dtype, dtype_name
 from dcmha.ops.composition import (LOW_RANK_TERMS, compose, compose_matrices, decode_compose,
-                                   kernel_stages, query_compose_matrix, stage_terms)
+                                   dynamic_weights, fused_query_projection, kernel_stages,
+                                   plain_dynamic_weights, query_compose_matrix, rms_normalize,
+                                   stage_terms)
 from dcmha.ops.core import (IMPLEMENTATION, MAX_UNROLLED_CHUNKS, attention,
                             auto_query_chunk_size, core_result, dcmha_attention,
                             explain_implementation, join_blocks, one_query_probs, split_blocks)
-from dcmha.ops.dynamic import dynamic_weights, fused_query_projection, plain_dynamic_weights
 from dcmha.ops.masks import block_mask, key_range, standardize_mask
-from dcmha.ops.tensors import (arange_int32, as_dtype, cache_writer, dtype_name, rms_normalize,
-                               rope, stack, unstack, write_slice)
+from dcmha.ops.tensors import arange_int32, cache_writer, rope, stack, unstack, write_slice
 # The spec's epsilons, under the names the seam and the layer read from here.
 from dcmha.spec.reference import QK_NORM_EPS, W1_NORM_EPS
 

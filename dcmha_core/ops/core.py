@@ -18,13 +18,12 @@ import math
 import keras
 from keras import ops
 
-from dcmha import framework
+from dcmha import framework, registry
 from dcmha.call import block_rows, describe, shape_of as _shape
-from dcmha import registry
+from dcmha.framework._common import as_dtype
 from dcmha.ops.composition import _compose_qm, compose_matrices, decode_compose
 from dcmha.ops.masks import (_MASKED, _mask5, _slice_mask, _visible_rows, block_mask, key_range,
                              standardize_mask)
-from dcmha.ops.tensors import as_dtype
 from dcmha.spec import terms as spec_terms
 
 
@@ -221,7 +220,7 @@ def auto_query_chunk_size(batch, num_heads, key_length, query_length, block_byte
     if not all(isinstance(v, int) for v in (batch, num_heads, key_length, query_length)):
         return None
     if block_bytes is None:
-        block_bytes = 4 * 2 ** 20 if framework.on_cpu() else 256 * 2 ** 20
+        block_bytes = 4 * 2 ** 20 if framework.device() == "cpu" else 256 * 2 ** 20
     chunk = block_rows(batch, num_heads, key_length, block_bytes)
     return chunk if chunk < query_length else None
 

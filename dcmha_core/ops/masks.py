@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from keras import ops
 
-from dcmha.ops.tensors import arange_int32
+from dcmha import framework
 from dcmha.spec import terms as spec_terms
 
 # A finite "minus infinity" (``dcmha.spec.terms.MASKED_SCORE``): a fully masked
@@ -26,8 +26,9 @@ def block_mask(attention_mask, t0, t1, s0, s1, *, use_causal_mask, sliding_windo
     """
     mask = None
     if use_causal_mask or sliding_window is not None:
-        mask = spec_terms.visible(arange_int32(t0, t1)[:, None], arange_int32(s0, s1)[None, :],
-                                  causal=bool(use_causal_mask), window=sliding_window,
+        rows = framework.arange_int32(t0, t1)[:, None]
+        cols = framework.arange_int32(s0, s1)[None, :]
+        mask = spec_terms.visible(rows, cols, causal=bool(use_causal_mask), window=sliding_window,
                                   offset=ops.cast(query_offset, "int32"))[None]
     if attention_mask is not None:
         m = _slice_mask(attention_mask, t0, t1, s0, s1)

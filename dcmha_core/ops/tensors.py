@@ -1,5 +1,5 @@
-"""Small tensor pieces of the functional core: RMS normalisation, rotary embedding,
-dtype casts that skip no-op casts, stacking, cache writes and int32 ranges.
+"""Small tensor pieces of the functional core: rotary embedding, stacking, cache writes
+and int32 ranges.
 
 The backend-specific forms (a cheaper stack, an eager cache write, a symbolic range)
 come from the seam (``dcmha.framework``); these functions name no backend.
@@ -7,45 +7,11 @@ come from the seam (``dcmha.framework``); these functions name no backend.
 
 from __future__ import annotations
 
-import keras
 from keras import ops
 
 from dcmha import framework
 from dcmha.call import shape_of, shapes_agree
-
-
-def rms_normalize(x, eps, scale=None):
-    """x / sqrt(mean(x**2, -1) + eps), times ``scale`` if given."""
-    y = x * ops.rsqrt(ops.mean(ops.square(x), axis=-1, keepdims=True) + eps)
-    return y if scale is None else y * scale
-
-
-#: dtype object -> Keras's name for it (``keras.backend.standardize_dtype`` costs more
-#: than the cast it would save on a hot path; the dtype objects of a process are few).
-_DTYPE_NAMES = {}
-
-
-def dtype_name(dtype):
-    """Keras's name of a dtype object (cached)."""
-    try:
-        return _DTYPE_NAMES[dtype]
-    except (KeyError, TypeError):            # TypeError: an unhashable dtype object
-        name = keras.backend.standardize_dtype(dtype)
-        try:
-            _DTYPE_NAMES[dtype] = name
-        except TypeError:
-            pass
-        return name
-
-
-def as_dtype(x, dtype):
-    """``ops.cast(x, dtype)``, skipped when ``x`` already has ``dtype`` (even a cast that
-    changes nothing costs a Keras op per call in eager PyTorch: a decoding step has
-    dozens of them). Anything but a backend tensor (a ``keras.Variable``, a NumPy array)
-    is always cast: callees get a backend tensor."""
-    if keras.ops.is_tensor(x) and dtype_name(x.dtype) == dtype:
-        return x
-    return ops.cast(x, dtype)
+from dcmha.framework._common import as_dtype, dtype_name
 
 
 def stack(arrays, axis):

@@ -52,6 +52,7 @@ TRITON_MSG = ("`implementation='triton'` cannot run this call: needs CUDA tensor
 #: Why "auto" passes over a GPU-only fast path on CPU, and over a small call.
 AUTO_GPU_ONLY = "'auto' takes it on gpu, not on cpu"
 AUTO_SMALL = "'auto' takes it from T * S >= 8192; this call has T * S = {}"
+AUTO_ONE_QUERY = "'auto' takes it for one-query calls (T = 1); this call has T = {}"
 
 needs_torch = pytest.mark.skipif(BACKEND != "torch", reason="a rule of the torch backend")
 needs_jax = pytest.mark.skipif(BACKEND != "jax", reason="the Pallas path runs on the jax backend")
@@ -338,7 +339,7 @@ def test_auto_never_takes_triton_for_cpu_tensors(chosen, reference_case):
     # Triton is GPU-only for "auto"; "torch" takes CPU calls from T * S = 8192 (this is 36).
     assert name == "ops"
     assert registry.explain(call) == [("triton", AUTO_GPU_ONLY),
-                                      ("torch_decode", "not preferred for this call"),
+                                      ("torch_decode", AUTO_ONE_QUERY.format(6)),
                                       ("torch", AUTO_SMALL.format(36)), ("ops", None)]
     case, layers = make_layers(reference_case, "ops")
     layer = DCMHA(**{**case["cfg"].to_dict(), "implementation": "auto"})

@@ -68,6 +68,7 @@ CAPABILITIES = ["attention_scores", "dropout", "head_masks", "intermediates", "q
 
 AUTO_GPU_ONLY = "'auto' takes it on gpu, not on cpu"
 AUTO_SMALL = "'auto' takes it from T * S >= {}; this call has T * S = {}"
+AUTO_ONE_QUERY = "'auto' takes it for one-query calls (T = 1); this call has T = {}"
 SMALL, LARGE = 6, 96                       # T = S: T * S = 36 and 9216
 
 
@@ -407,13 +408,13 @@ def expected_rows(size):
     """explain's rows for ``describe(T=size)``, eager, on CPU."""
     small = size == SMALL
     if BACKEND == "jax":
-        rows = [("pallas", AUTO_GPU_ONLY), ("jax_decode", "not preferred for this call"),
+        rows = [("pallas", AUTO_GPU_ONLY), ("jax_decode", AUTO_ONE_QUERY.format(size)),
                 ("jax_cpu", _small("jax_cpu", size) if small else _kernel_row("jax_cpu"))]
     elif BACKEND == "torch":
-        rows = [("triton", AUTO_GPU_ONLY), ("torch_decode", "not preferred for this call"),
+        rows = [("triton", AUTO_GPU_ONLY), ("torch_decode", AUTO_ONE_QUERY.format(size)),
                 ("torch", _small("torch", size) if small else None)]
     elif BACKEND == "tensorflow":
-        rows = [("tf_decode", "not preferred for this call"),
+        rows = [("tf_decode", AUTO_ONE_QUERY.format(size)),
                 ("tf_cpu", _small("tf_cpu", size) if small else _kernel_row("tf_cpu"))]
         if rows[-1][1] is not None:       # eager: "xla" only when TensorFlow traces a graph
             rows.append(("xla", "not preferred for this call"))
@@ -450,7 +451,7 @@ def test_explain_in_a_traced_tensorflow_function():
     rows = []
     x = np.zeros((1, SMALL, 2, 4), np.float32)
     tf.function(lambda a: rows.append(dops.explain_implementation(a, a, a)) or a)(x)
-    assert rows == [[("tf_decode", "not preferred for this call"),
+    assert rows == [[("tf_decode", AUTO_ONE_QUERY.format(SMALL)),
                      ("tf_cpu", _small("tf_cpu", SMALL)), ("xla", None)]]
     # One query (a decoding step) traced into a graph: the compiled one-query step.
     rows.clear()

@@ -38,6 +38,17 @@ def test_the_chosen_module_is_the_backends():
         assert hasattr(framework.current(), name), name
 
 
+def test_reading_one_name_binds_the_chosen_modules_names():
+    """After the first read every name of the contract is the package's own attribute (no
+    module ``__getattr__`` on later reads), and it is the chosen module's object."""
+    framework.device()
+    common = sys.modules["dcmha.framework._common"]
+    for name in common.__all__:
+        assert vars(framework)[name] is getattr(framework.current(), name), name
+    with pytest.raises(AttributeError):
+        framework.no_such_name
+
+
 # ---------------------------------------------------------------------------
 # Each function against keras.ops / NumPy
 # ---------------------------------------------------------------------------
@@ -151,7 +162,7 @@ def test_flags_are_typed():
 
 
 # ---------------------------------------------------------------------------
-# The device probe: one rule, read by on_cpu and the registry
+# The device probe: one rule, read by the plain core and the registry
 # ---------------------------------------------------------------------------
 
 def test_device_is_the_one_probe():
@@ -159,7 +170,6 @@ def test_device_is_the_one_probe():
     assert where in ("cpu", "gpu", "tpu")
     x = ops.convert_to_tensor(np.zeros((1, 4, 2, 8), np.float32))
     assert framework.device(x) == where              # a new tensor goes to the default device
-    assert framework.on_cpu() == (where == "cpu") and framework.on_cpu(x) == (where == "cpu")
     from dcmha.call import describe
     call = describe(x, x, x)
     assert registry.current_device(call) == framework.device(x)
