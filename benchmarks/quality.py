@@ -60,16 +60,22 @@ VARIANTS = {
     "projection_only": ("dynamic projection only", dict(dynamic_gating=False)),
     "gating_only": ("dynamic gating only", dict(dynamic_projection=False)),
     "rank1": ("DCFormer++ rank 1", dict(rank=1)),
+    # Placement: DCMHA in some layers only (``DCFormerLM(dcmha_layers=k)``: every k-th layer,
+    # the others plain MHA).
+    "dcmha_every_2nd": ("DCMHA in every 2nd layer", dict(dcmha_layers=2)),
+    "dcmha_every_4th": ("DCMHA in every 4th layer", dict(dcmha_layers=4)),
 }
+#: The placement table's variants: all layers against every 2nd and every 4th.
+PLACEMENT = ("mha", "dcmha", "dcmha_every_2nd", "dcmha_every_4th")
 #: The paper's 405M ablation perplexities (Transformer++ 11.68), for the ablation table.
 PAPER_405M_PPL = dict(mha=11.68, dcmha=10.83, pre_only=11.54, post_only=11.05,
                       query_wise_only=10.89, key_wise_only=10.91, projection_only=10.95,
                       gating_only=11.31, rank1=10.87)
-TABLES = ("main", "ablation", "multiplier", "lr", "heads", "length", "recipe",
+TABLES = ("main", "ablation", "placement", "multiplier", "lr", "heads", "length", "recipe",
           "composition_lr", "gradients", "checks", "speed")
 #: Tables that train stored runs (the others run in-process and store only their report).
-RUN_TABLES = ("main", "ablation", "multiplier", "lr", "heads", "length", "recipe",
-              "composition_lr")
+RUN_TABLES = ("main", "ablation", "placement", "multiplier", "lr", "heads", "length",
+              "recipe", "composition_lr")
 #: The recipe table's groups: name -> optimizer settings that differ from the command line's.
 RECIPES = {
     "command line": {},
@@ -171,7 +177,8 @@ def table_runs(args, table):
     default_seeds = {"main": "0-4", "multiplier": "0-4", "lr": "0-1"}.get(table, "0-2")
     seeds = _ints(args.seeds or default_seeds)
     names = (args.variants.split(",") if args.variants else
-             list(VARIANTS) if table == "ablation" else ["mha", "dcmha"])
+             [n for n in VARIANTS if n not in PLACEMENT[2:]] if table == "ablation" else
+             list(PLACEMENT) if table == "placement" else ["mha", "dcmha"])
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
@@ -185,7 +192,7 @@ def table_runs(args, table):
                     cfg["composition_lr_scale"] = 1.0     # no composition weights: one run
                 runs.append((group, cfg))
 
-    if table in ("main", "ablation"):
+    if table in ("main", "ablation", "placement"):
         add(f"{args.steps} steps")
     elif table == "multiplier":
         add("dcmha 1x", variant="dcmha")
