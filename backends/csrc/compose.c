@@ -386,6 +386,70 @@ INLINE void backward_rows(const Args *a, int64_t b, int64_t gi, int64_t jv, cons
 ENTRY(dcmha_compose_forward, FWD, forward_generic)
 ENTRY(dcmha_compose_backward, BWD, backward_generic)
 
+/* a narrowed to batch rows [b, b + nb) and groups [g, g + ng): every array pointer moved to
+   the first of its (b, g) slices (absent arrays stay NULL), the strides kept. */
+static Args narrowed(const Args *a, int64_t b, int64_t nb, int64_t g, int64_t ng) {
+    Args p = *a;
+    const int64_t M = a->M;
+    p.B = nb;
+    p.G = ng;
+    if (a->x) p.x = a->x + b * a->x_b + g * M * a->x_n;
+    if (a->out) p.out = a->out + b * a->o_b + g * M * a->o_n;
+    if (a->g) p.g = a->g + b * a->g_b + g * M * a->g_n;
+    if (a->wq) p.wq = a->wq + b * a->wq_b + g * a->wq_g;
+    if (a->dwq) p.dwq = a->dwq + b * a->dwq_b + g * a->dwq_g;
+    if (a->kw1) p.kw1 = a->kw1 + b * a->kw_b + g * a->kw_g;
+    if (a->kw2) p.kw2 = a->kw2 + b * a->kw_b + g * a->kw_g;
+    if (a->dkw1) p.dkw1 = a->dkw1 + b * a->dkw_b + g * a->dkw_g;
+    if (a->dkw2) p.dkw2 = a->dkw2 + b * a->dkw_b + g * a->dkw_g;
+    if (a->kdd) p.kdd = a->kdd + b * a->kd_b + g * a->kd_g;
+    if (a->dkdd) p.dkdd = a->dkdd + b * a->dkd_b + g * a->dkd_g;
+    return p;
+}
+
+/* Each (b, g) slice reads and writes only its own rows of every array (the term gradients
+   are per batch row and group, none summed over b or g), and within a slice the work runs
+   in the order of the whole call (the vectorised keys, then the generic tail); so any
+   partition of the slices gives the whole call's results bit for bit. The range runs as at
+   most three rectangles: the rest of a first partial batch row, whole batch rows, and the
+   start of a last partial one. */
+int dcmha_compose_slices(const Args *a, int backward, int64_t begin, int64_t end) {
+    int (*run)(const Args *) = backward ? dcmha_compose_backward : dcmha_compose_forward;
+    const int64_t G = a->G, n = a->B * a->G;
+    if (begin < 0) begin = 0;
+    if (end > n) end = n;
+    int failed = 0;
+    while (begin < end && !failed) {
+        const int64_t b = begin / G, g = begin % G;
+        Args p;
+        if (g == 0 && end - begin >= G) {
+            const int64_t nb = (end - begin) / G;
+            p = narrowed(a, b, nb, 0, G);
+            begin += nb * G;
+        } else {
+            const int64_t ng = G - g < end - begin ? G - g : end - begin;
+            p = narrowed(a, b, 1, g, ng);
+            begin += ng;
+        }
+        failed = run(&p);
+    }
+    return failed;
+}
+
+/* Floats of x (each (b, g) slice holds M t s) below which a chunk is not split off: a hand-over
+   to a pool thread and the wait for it cost microseconds, which a smaller chunk's work would
+   not repay. */
+#define SPLIT_MIN_FLOATS 16384
+
+int64_t dcmha_compose_chunks(const Args *a, int64_t threads) {
+    const int64_t slices = a->B * a->G, per_slice = a->M * a->t * a->s;
+    if (threads <= 1 || slices <= 1 || per_slice <= 0) return 1;
+    const int64_t by_size = per_slice >= SPLIT_MIN_FLOATS
+                                ? slices : slices * per_slice / SPLIT_MIN_FLOATS;
+    int64_t n = threads < slices ? threads : slices;
+    if (by_size < n) n = by_size;
+    return n < 1 ? 1 : n;
+}
 
 void dcmha_fill_args(Args *a, const int64_t *d, int64_t R, const float *x, const float *wq,
                      const float *kw1, const float *kw2, const float *kdd, int64_t flags) {

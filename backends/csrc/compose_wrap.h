@@ -1,5 +1,6 @@
 /* What the framework wrappers of the compose kernel share (C++: xla_ffi.cc for jax.ffi,
-   tf_op.cc for TensorFlow): filling Args for contiguous arrays.
+   tf_op.cc for TensorFlow): filling Args for contiguous arrays, and splitting a call over
+   the framework's thread pool (dcmha_compose_split).
 
    Arrays: x, out, g (B, G, M, t, s); wq, dwq (B, t, G, M, M) ([n, m]: out[n] = sum_m
    wq[n, m] x[m]); kw1, kw2 and their gradients (B, G, R, M, s); kdd, dkdd (B, G, M, s).
@@ -11,8 +12,12 @@
 #ifndef DCMHA_COMPOSE_WRAP_H
 #define DCMHA_COMPOSE_WRAP_H
 
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <initializer_list>
+#include <memory>
+#include <mutex>
 
 #include "dcmha_args.h"
 
@@ -90,6 +95,59 @@ static void dcmha_grads(Args &a, float *dwq, size_t n_dwq, float *dkw1, float *d
     if (flags & DCMHA_HAS_WQ) a.dwq = dwq;
     if (flags & DCMHA_HAS_KW) { a.dkw1 = dkw1; a.dkw2 = dkw2; }
     if (flags & DCMHA_HAS_KDD) a.dkdd = dkdd;
+}
+
+/* One split call's state, shared by the calling thread and its helper tasks: the chunks
+   [0, n) of the call's B G slices, claimed in turn from `next`; `done` counts the finished
+   ones under `mu`. */
+struct DcmhaSplit {
+    DcmhaSplit(const Args &args, int bwd, int64_t chunks)
+        : a(args), backward(bwd), n(chunks), slices(args.B * args.G) {}
+
+    /* Claims and runs chunks until none is left. */
+    void work() {
+        for (int64_t c; (c = next.fetch_add(1)) < n;) {
+            if (dcmha_compose_slices(&a, backward, c * slices / n, (c + 1) * slices / n))
+                failed.store(1);
+            std::lock_guard<std::mutex> lock(mu);
+            if (++done == n) finished.notify_all();
+        }
+    }
+
+    const Args a;
+    const int backward;
+    const int64_t n, slices;
+    std::atomic<int64_t> next{0};
+    std::atomic<int> failed{0};
+    std::mutex mu;
+    std::condition_variable finished;
+    int64_t done = 0;
+};
+
+/* The forward (backward = 0) or backward of a, split over dcmha_compose_chunks(a, threads)
+   chunks of its (b, g) slices (compose.c's dcmha_compose_slices: results bit for bit the
+   whole call's). schedule(task) hands a callable to the framework's thread pool, once per
+   chunk but one; the calling thread runs chunks as well. A chunk is run by whichever thread
+   claims it first, and the caller, once none is left to claim, waits only for chunks that
+   running threads have claimed: it never waits on a task still queued, so the call ends
+   however late the pool starts its tasks, or if it runs them inline. A helper that starts
+   after the work is gone does nothing; it shares ownership of the state, which may outlive
+   the call. 0 on success, 1 when a chunk ran out of memory. */
+template <typename Schedule>
+static int dcmha_compose_split(const Args &a, int backward, int64_t threads,
+                               Schedule &&schedule) {
+    const int64_t n = dcmha_compose_chunks(&a, threads);
+    if (n <= 1) return backward ? dcmha_compose_backward(&a) : dcmha_compose_forward(&a);
+    auto split = std::make_shared<DcmhaSplit>(a, backward, n);
+    try {
+        for (int64_t i = 1; i < n; i++) schedule([split] { split->work(); });
+    } catch (...) {
+        /* a task the pool could not take: its chunks go to the threads already working */
+    }
+    split->work();
+    std::unique_lock<std::mutex> lock(split->mu);
+    split->finished.wait(lock, [&] { return split->done == split->n; });
+    return split->failed.load();
 }
 
 #endif /* DCMHA_COMPOSE_WRAP_H */

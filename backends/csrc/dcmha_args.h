@@ -54,6 +54,17 @@ enum { DCMHA_HAS_WQ = 1, DCMHA_HAS_KW = 2, DCMHA_HAS_KDD = 4,
 DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_compose_forward(const Args *a);
 DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_compose_backward(const Args *a);
 
+/* The forward (backward = 0) or backward of a over its (b, g) slices [begin, end) only,
+   slice b G + g being batch row b's group g (the range clipped to [0, B G)): each slice's
+   results are the whole call's, bit for bit, so disjoint ranges may run on different
+   threads at once. 0 on success, 1 when out of memory. */
+DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_compose_slices(const Args *a, int backward,
+                                                      int64_t begin, int64_t end);
+/* How many chunks of its (b, g) slices a call on `threads` threads is worth splitting into:
+   at most threads and B G, and few enough that each chunk holds at least SPLIT_MIN_FLOATS
+   (compose.c) floats of x; 1 (run it whole) for a small call or one thread. */
+DCMHA_C_LINKAGE DCMHA_EXPORT int64_t dcmha_compose_chunks(const Args *a, int64_t threads);
+
 /* Args for contiguous arrays: x (and out, g) (B, G, M, t, s) from d = {B, G, M, t, s}; wq
    (B, t, G, M, M); kw1, kw2 (B, G, R, M, s); kdd (B, G, M, s); a term whose DCMHA_HAS_* bit
    is not in flags is left absent (NULL). Every other field is zero. */

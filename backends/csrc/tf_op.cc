@@ -1,7 +1,8 @@
 /* TensorFlow CPU ops around the dcmha compose kernel (loaded by dcmha.backends.tf_cpu with
    tf.load_op_library): DcmhaComposeForward(x, wq, kw1, kw2, kdd; flags) -> out and
    DcmhaComposeBackward(x, g, wq, kw1, kw2, kdd; flags) -> (dx, dwq, dkw1, dkw2, dkdd), the
-   same arrays as the XLA FFI handlers (compose_wrap.h); and DcmhaDynamicWeights, a decoding
+   same arrays as the XLA FFI handlers (compose_wrap.h), each split over the device's CPU
+   worker threads by (b, g) slices (dcmha_compose_split); and DcmhaDynamicWeights, a decoding
    step's dynamic weights (dcmha_dynamic_weights), split into its slots.
 
    Compiles on its own with TensorFlow's flags:
@@ -9,9 +10,13 @@
    print(" ".join(tf.sysconfig.get_compile_flags()))') -c tf_op.cc */
 #include "compose_wrap.h"
 
+#include <functional>
+#include <utility>
+
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/platform/threadpool.h"
 
 using namespace tensorflow;
 
@@ -73,6 +78,17 @@ class DcmhaComposeOp : public OpKernel {
                    c->input(terms + 3).flat<float>().data(), flags_);
         return true;
     }
+    /* The compose of a (backward or not), split over the device's CPU worker threads (the
+       intra-op pool) by dcmha_compose_split; whole on this thread where there are none. */
+    static int run(OpKernelContext *c, const Args &a, int backward) {
+        const auto *workers = c->device()->tensorflow_cpu_worker_threads();
+        if (!workers || !workers->workers)
+            return backward ? dcmha_compose_backward(&a) : dcmha_compose_forward(&a);
+        return dcmha_compose_split(a, backward, workers->num_threads,
+                                   [workers](std::function<void()> task) {
+                                       workers->workers->Schedule(std::move(task));
+                                   });
+    }
     int64_t flags_;
 };
 
@@ -85,7 +101,7 @@ class DcmhaComposeForwardOp : public DcmhaComposeOp {
         Tensor *out = nullptr;
         OP_REQUIRES_OK(c, c->allocate_output(0, c->input(0).shape(), &out));
         a.out = out->flat<float>().data();
-        OP_REQUIRES(c, dcmha_compose_forward(&a) == 0,
+        OP_REQUIRES(c, run(c, a, 0) == 0,
                     errors::ResourceExhausted("dcmha compose: out of memory"));
     }
 };
@@ -106,7 +122,7 @@ class DcmhaComposeBackwardOp : public DcmhaComposeOp {
                     outs[2]->flat<float>().data(), outs[3]->flat<float>().data(),
                     outs[2]->NumElements(), outs[4]->flat<float>().data(),
                     outs[4]->NumElements(), flags_);
-        OP_REQUIRES(c, dcmha_compose_backward(&a) == 0,
+        OP_REQUIRES(c, run(c, a, 1) == 0,
                     errors::ResourceExhausted("dcmha compose: out of memory"));
     }
 };

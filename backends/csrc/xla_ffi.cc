@@ -2,13 +2,16 @@
    dcmha.backends.jax_cpu as "dcmha_compose_forward" / "dcmha_compose_backward").
 
    DcmhaComposeForward(x, wq, kw1, kw2, kdd; flags) -> out and DcmhaComposeBackward(x, g, wq,
-   kw1, kw2, kdd; flags) -> (dx, dwq, dkw1, dkw2, dkdd), arrays as in compose_wrap.h; and
+   kw1, kw2, kdd; flags) -> (dx, dwq, dkw1, dkw2, dkdd), arrays as in compose_wrap.h, each
+   split over XLA's intra-op threads by (b, g) slices (dcmha_compose_split); and
    DcmhaDecodeProbs (registered as "dcmha_decode_probs"), one query's compose / masked
    softmax / compose (dcmha_decode_probs) for the one-query steps of "jax_decode".
 
    Compiles on its own against jaxlib's FFI headers:
    c++ -std=c++17 -I"$(python -c 'import jax; print(jax.ffi.include_dir())')" -c xla_ffi.cc */
 #include "compose_wrap.h"
+
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -31,7 +34,15 @@ static const char *problem(F32 x, F32 wq, F32 kw1, F32 kw2, F32 kdd, int64_t fla
                                flags);
 }
 
-static ffi::Error Forward(F32 x, F32 wq, F32 kw1, F32 kw2, F32 kdd, Out out, int64_t flags) {
+/* dcmha_compose_split on XLA's intra-op thread pool (the one its CPU ops run on); num_threads
+   is 0 where XLA offers none, and the call then runs whole on this thread. */
+static int split(ffi::ThreadPool &pool, const Args &a, int backward) {
+    return dcmha_compose_split(a, backward, pool.num_threads(),
+                               [&pool](auto task) { pool.Schedule(std::move(task)); });
+}
+
+static ffi::Error Forward(ffi::ThreadPool pool, F32 x, F32 wq, F32 kw1, F32 kw2, F32 kdd,
+                          Out out, int64_t flags) {
     if (const char *why = problem(x, wq, kw1, kw2, kdd, flags, {out->element_count()}))
         return ffi::Error::InvalidArgument(why);
     Args a;
@@ -39,12 +50,13 @@ static ffi::Error Forward(F32 x, F32 wq, F32 kw1, F32 kw2, F32 kdd, Out out, int
     dcmha_fill(a, x.dimensions().begin(), R, x.typed_data(), wq.typed_data(),
                kw1.typed_data(), kw2.typed_data(), kdd.typed_data(), flags);
     a.out = out->typed_data();
-    if (dcmha_compose_forward(&a)) return ffi::Error::Internal("dcmha compose: out of memory");
+    if (split(pool, a, 0)) return ffi::Error::Internal("dcmha compose: out of memory");
     return ffi::Error::Success();
 }
 
-static ffi::Error Backward(F32 x, F32 g, F32 wq, F32 kw1, F32 kw2, F32 kdd, Out dx, Out dwq,
-                           Out dkw1, Out dkw2, Out dkdd, int64_t flags) {
+static ffi::Error Backward(ffi::ThreadPool pool, F32 x, F32 g, F32 wq, F32 kw1, F32 kw2,
+                           F32 kdd, Out dx, Out dwq, Out dkw1, Out dkw2, Out dkdd,
+                           int64_t flags) {
     if (const char *why = problem(x, wq, kw1, kw2, kdd, flags,
                                   {g.element_count(), dx->element_count()}))
         return ffi::Error::InvalidArgument(why);
@@ -63,7 +75,7 @@ static ffi::Error Backward(F32 x, F32 g, F32 wq, F32 kw1, F32 kw2, F32 kdd, Out 
     dcmha_grads(a, dwq->typed_data(), dwq->element_count(), dkw1->typed_data(),
                 dkw2->typed_data(), dkw1->element_count(), dkdd->typed_data(),
                 dkdd->element_count(), flags);
-    if (dcmha_compose_backward(&a)) return ffi::Error::Internal("dcmha compose: out of memory");
+    if (split(pool, a, 1)) return ffi::Error::Internal("dcmha compose: out of memory");
     return ffi::Error::Success();
 }
 
@@ -168,12 +180,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DcmhaDecodeProbs, Probs,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DcmhaComposeForward, Forward,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("flags"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DcmhaComposeBackward, Backward,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
                                   .Arg<F32>()
                                   .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()

@@ -244,19 +244,37 @@ def _layer_result(layer, x):
     return step(x)
 
 
-@needs_kernel
-@pytest.mark.parametrize("layer_kwargs", [{}, dict(num_groups=2, num_key_value_heads=2,
-                                                   static_compose=True, sliding_window=5)])
-def test_layer_matches_ops(layer_kwargs):
-    """DCMHA(implementation=PATH) and "ops": output and every gradient."""
-    x = ops.convert_to_tensor(np.random.default_rng(1).normal(size=(2, 16, 16)), "float32")
+def _assert_layer_matches_ops(x, **layer_kwargs):
+    """DCMHA(implementation=PATH, **layer_kwargs) and "ops" on x: output and every gradient."""
     results = {}
     for impl in (PATH, "ops"):
-        layer = DCMHA(num_heads=4, key_dim=8, implementation=impl, seed=3, query_chunk_size=8,
-                      **layer_kwargs)
+        layer = DCMHA(implementation=impl, seed=3, **layer_kwargs)
         results[impl] = [np.asarray(ops.convert_to_numpy(a), np.float64)
                          for a in _layer_result(layer, x)]
     assert len(results[PATH]) == len(results["ops"]) > 2
     for got, want in zip(results[PATH], results["ops"]):
         scale = max(1.0, float(np.abs(want).max()))
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("layer_kwargs", [{}, dict(num_groups=2, num_key_value_heads=2,
+                                                   static_compose=True, sliding_window=5)])
+def test_layer_matches_ops(layer_kwargs):
+    """DCMHA(implementation=PATH) and "ops": output and every gradient."""
+    x = ops.convert_to_tensor(np.random.default_rng(1).normal(size=(2, 16, 16)), "float32")
+    _assert_layer_matches_ops(x, num_heads=4, key_dim=8, query_chunk_size=8, **layer_kwargs)
+
+
+@needs_kernel
+def test_split_call_matches_ops():
+    """Blocks that the compose handlers split over their thread pool (x (3, 5, 2, 40, 40):
+    2 chunks on 2 threads, ``test_cpu_kernel_split.test_chunk_counts``; B G = 15 slices,
+    so a chunk ends inside a batch row): every term's forward and gradients against the
+    spec, and the layer against "ops"."""
+    p = make_problem(31, B=3, T=40, S=40, N=10, N_kv=5, G=5, R=2)
+    check(p, block_q=40)
+    check(p, causal=True, block_q=40, against_reference=True)
+    x = ops.convert_to_tensor(np.random.default_rng(2).normal(size=(3, 40, 20)), "float32")
+    _assert_layer_matches_ops(x, num_heads=10, key_dim=4, num_groups=5,
+                              query_chunk_size=40)
