@@ -30,9 +30,10 @@ Four libraries are built from them, each described by a ``Recipe``:
 * ``compose_recipe()``, loaded by ``load()``: the kernel alone, called through ``ctypes`` by
   ``dcmha_torch`` (calls release the GIL, so its block threads run them in parallel);
 * ``ffi_recipe(include_dir, jaxlib_version)``: the kernel with XLA FFI handlers, registered
-  by ``jax_cpu`` as ``jax.ffi`` targets;
+  by ``jax_cpu`` as ``jax.ffi`` targets; each call splits its (b, g) slices over XLA's
+  intra-op threads (``compose_wrap.h``'s ``dcmha_compose_split``);
 * ``tf_recipe(compile_flags, link_flags, tf_version)``: the kernel as TensorFlow ops, loaded
-  by ``tf_cpu`` with ``tf.load_op_library``;
+  by ``tf_cpu`` with ``tf.load_op_library``; split over TensorFlow's CPU worker threads;
 * ``ort_recipe(ort_version)``: the kernel as onnxruntime custom ops (``ort_op.cc``), which
   ``dcmha.export.ort_ops`` registers in onnxruntime sessions.
 
