@@ -21,8 +21,8 @@ Selection (``select``): a forced name runs, or a ValueError says why it
 cannot; ``"auto"`` walks the active backend's implementations by ``priority``
 and takes the first whose declared facts (device, capabilities, size
 threshold, one-query calls only) and ``preferred`` accept the call and whose
-``unsupported`` finds nothing, else ``"ops"``. Declared facts and preferences are evaluated before
-anything is imported or built, so a small call never builds a kernel.
+``unsupported`` finds nothing, else ``"ops"``. Declared facts and preferences are
+evaluated before anything is imported or built, so a small call never builds a kernel.
 ``explain(call)`` returns every candidate with the reason it was passed over;
 ``logging.getLogger("dcmha.dispatch")`` logs the choice at DEBUG level.
 """

@@ -16,8 +16,8 @@ reads the key-side weights in the cache's layout); without the kernel
 ``dynamic_weights`` (a step's dynamic weights by the kernel) and ``fused_projection`` (the
 query projection and the dynamic projection as one product).
 
-``"auto"`` takes it for T == 1 calls (its registration declares ``one_query_only``). Any other call that names
-it goes to the plain core, ``dcmha.ops.attention``, so a forced
+``"auto"`` takes it for T == 1 calls (its registration declares ``one_query_only``). Any
+other call that names it goes to the plain core, ``dcmha.ops.attention``, so a forced
 ``implementation="torch_decode"`` runs every call.
 """
 

@@ -17,8 +17,8 @@ import keras
 from keras import ops
 
 from dcmha import framework
-from dcmha.call import _check_groups, check_positive_int, check_terms, shape_of as _shape
-from dcmha.call import shapes_agree
+from dcmha.call import (_check_groups, check_positive_int, check_terms, shape_of as _shape,
+                        shapes_agree)
 from dcmha.framework._common import as_dtype
 from dcmha.spec import terms as spec_terms
 from dcmha.spec.reference import ALL_SLOTS, W1_NORM_EPS
