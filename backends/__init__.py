@@ -30,16 +30,16 @@ DECODE_LACKS = frozenset({"intermediates", "dropout", "symbolic_shapes"})
 
 
 def decode_implementation(name: str, backend: str, module: str, *, devices, priority: int,
-                          description: str):
+                          description: str, graph_only: bool = False):
     """The registration of a decoding-step path: ``module`` runs one-query calls of
-    ``backend`` on ``devices``; ``"auto"`` takes it for one-query calls on CPU, and other
-    calls go to the plain core ("ops")."""
+    ``backend`` on ``devices``; ``"auto"`` takes it for one-query calls on CPU (traced
+    into a graph, with ``graph_only``), and other calls go to the plain core ("ops")."""
     from dcmha.registry import Implementation
 
     return Implementation(
         name=name, backend=backend, module=module, devices=frozenset(devices),
         auto_devices=frozenset({"cpu"}), lacks=DECODE_LACKS, one_query_only=True,
-        priority=priority, description=description)
+        graph_only=graph_only, priority=priority, description=description)
 
 
 def installed(module: str) -> bool:

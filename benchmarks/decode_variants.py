@@ -9,7 +9,7 @@ whose cached step (one token at position 96 of a 128-position cache, causal, und
 Printed: each variant's median step and its ratio to composition off. Variants: all
 switches (DCMHA as ``inference.py`` times it), no dynamic gating, no dynamic projection, static composition
 only, composition off; and all switches with the query and dynamic projections apart
-("unfused": ``torch_native.decode.FUSED_PROJECTION`` off for its calls). Figures:
+("unfused": ``torch_native.dynamic_weights.FUSED_PROJECTION`` off for its calls). Figures:
 benchmarks/RESULTS.md ("Cached decoding", "Where a step's time goes").
 """
 
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     keras = keras_with_backend(ap, "torch", "eager PyTorch")
     import torch
 
-    from dcmha.backends.torch_native import decode
+    from dcmha.backends.torch_native import dynamic_weights
     from dcmha.layers import DCMHA
     D = args.width
     N = max(1, D // 80)
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for r in range(20 + args.steps):
             for name, layer in layers.items():
-                decode.FUSED_PROJECTION = name != "all switches, unfused"
+                dynamic_weights.FUSED_PROJECTION = name != "all switches, unfused"
                 t0 = time.perf_counter()
                 layer(x, x, use_causal_mask=True, cache=caches[name], cache_update_index=index)
                 if r >= 20:

@@ -20,7 +20,7 @@ kernel that must build; run last). ``call`` is the validated
 Selection (``select``): a forced name runs, or a ValueError says why it
 cannot; ``"auto"`` walks the active backend's implementations by ``priority``
 and takes the first whose declared facts (device, capabilities, size
-threshold, one-query calls only) and ``preferred`` accept the call and whose
+threshold, one-query calls only, graph calls only) and ``preferred`` accept the call and whose
 ``unsupported`` finds nothing, else ``"ops"``. Declared facts and preferences are
 evaluated before anything is imported or built, so a small call never builds a kernel.
 ``explain(call)`` returns every candidate with the reason it was passed over;
@@ -85,6 +85,9 @@ class Implementation:
         one_query_only: it computes one-query calls (T = 1, a decoding step) itself
             and runs every other call through the plain core (``dcmha.ops``);
             ``"auto"`` takes it for one-query calls only.
+        graph_only: ``"auto"`` takes it only for calls traced into a graph with their
+            lengths known (``dcmha.framework.building_graph()``: TensorFlow's
+            ``tf.function``); an eager call would pay its per-shape compile.
         description: one line for tables and error messages.
     """
 
@@ -99,6 +102,7 @@ class Implementation:
     min_length_product: int = 0
     cpu_env: Mapping[str, str] = field(default_factory=dict)
     one_query_only: bool = False
+    graph_only: bool = False
     description: str = ""
 
     def __post_init__(self):
@@ -118,9 +122,11 @@ class Implementation:
                 what = "an integer" if attr == "priority" else "a non-negative integer"
                 raise ValueError(f"`{attr}` of implementation {self.name!r} must be {what}. "
                                  f"Received: {attr}={value!r}")
-        if not isinstance(self.one_query_only, bool):
-            raise ValueError(f"`one_query_only` of implementation {self.name!r} must be a "
-                             f"bool. Received: one_query_only={self.one_query_only!r}")
+        for attr in ("one_query_only", "graph_only"):
+            value = getattr(self, attr)
+            if not isinstance(value, bool):
+                raise ValueError(f"`{attr}` of implementation {self.name!r} must be a bool. "
+                                 f"Received: {attr}={value!r}")
         if not isinstance(self.cpu_env, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in self.cpu_env.items()):
             raise ValueError(f"`cpu_env` of implementation {self.name!r} must map variable names "
@@ -304,6 +310,11 @@ def _auto_problem(impl: Implementation, call, device: str) -> Tuple[Optional[str
         return problem, None
     if impl.one_query_only and call.T != 1:
         return f"'auto' takes it for one-query calls (T = 1); this call has T = {call.T}", None
+    if impl.graph_only and not framework.building_graph():
+        return "'auto' takes it for calls traced into a graph; this call runs eagerly", None
+    if impl.graph_only and None in (call.T, call.S):
+        return (f"'auto' takes it for calls whose lengths are known; this call has "
+                f"T = {call.T}, S = {call.S}"), None
     if impl.min_length_product and (call.length_product is None
                                     or call.length_product < impl.min_length_product):
         return (f"'auto' takes it from T * S >= {impl.min_length_product}; this call has "

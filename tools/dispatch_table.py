@@ -51,6 +51,8 @@ def _preference(impl) -> str:
         parts.append(f"T·S ≥ {impl.min_length_product}")
     if impl.one_query_only:
         parts.append("one-query calls (T = 1); other calls run the plain core")
+    if impl.graph_only:
+        parts.append("calls traced into a graph")
     return "; ".join(parts)
 
 

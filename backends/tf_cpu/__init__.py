@@ -5,8 +5,8 @@ on first use of one of its names. See ``dcmha_tf_cpu`` for the API and ``core``
 for the Keras fast path (``DCMHA(implementation="tf_cpu")``).
 
 Importing it also hands the framework seam (``dcmha.framework``) the kernel's op for a
-decoding step's dynamic weights (``core.dynamic_weights``), imported on its first
-use. The registry imports this package (its entry point) before the seam's first lookup.
+decoding step's dynamic weights (``dcmha_tf_cpu.dynamic_weights``), imported on its
+first use. The registry imports this package (its entry point) before the seam's first lookup.
 """
 
 from dcmha import framework
@@ -25,7 +25,7 @@ IMPLEMENTATION, is_available, __getattr__ = cpu_kernel_package(
 
 
 def _step_dynamic_weights():
-    from .core import dynamic_weights
+    from .dcmha_tf_cpu import dynamic_weights
     return dynamic_weights
 
 

@@ -1,7 +1,6 @@
 """The "tf_cpu" implementation's module (Keras TensorFlow backend): ``attention(call)``
 runs the TensorFlow blocks whose composes are the compiled C kernel's ops
-(``dcmha_tf_cpu``) on a validated ``dcmha.call.AttentionCall``; ``dynamic_weights`` is a
-decoding step's dynamic weights by the kernel op, provided to the framework seam.
+(``dcmha_tf_cpu``) on a validated ``dcmha.call.AttentionCall``.
 
 What the path lacks and where ``"auto"`` may take it are declared in its registration
 (``dcmha.backends.tf_cpu.IMPLEMENTATION``); ``unsupported`` adds the checks that need
@@ -25,13 +24,6 @@ def unsupported(call):
         return ("the call is traced for XLA (jit_compile=True), which cannot compile the "
                 "kernel's ops; the 'xla' path runs there")
     return cpu_blocks.unsupported(call, dcmha_tf_cpu)
-
-
-def dynamic_weights(x, dw1, qkw, dd, **kwargs):
-    """A decoding step's dynamic weights by the kernel op (``dcmha_tf_cpu.dynamic_weights``;
-    provided to the framework seam by this package), or None."""
-    from . import dcmha_tf_cpu
-    return dcmha_tf_cpu.dynamic_weights(x, dw1, qkw, dd, **kwargs)
 
 
 def attention(call):

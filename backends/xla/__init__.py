@@ -19,7 +19,7 @@ IMPLEMENTATION = Implementation(
     devices=frozenset({"cpu", "gpu"}), auto_devices=frozenset({"cpu", "gpu"}),
     lacks=frozenset({"intermediates", "dropout", "head_masks", "traced_offset",
                      "query_offset"}),
-    priority=10,
+    priority=10, graph_only=True,
     description="one query-chunked jit_compile=True TensorFlow function")
 
 #: One decoding step (T = 1) as one XLA-compiled function of the plain core's
@@ -27,6 +27,6 @@ IMPLEMENTATION = Implementation(
 #: TensorFlow graph on CPU; other calls go to "ops".
 DECODE_IMPLEMENTATION = decode_implementation(
     "tf_decode", "tensorflow", "dcmha.backends.xla.decode", devices={"cpu", "gpu"},
-    priority=25,
+    priority=25, graph_only=True,
     description="one decoding step (T = 1): the plain core's one-query path, XLA-compiled; "
                 "other calls run the plain core")

@@ -5,8 +5,10 @@ configuration, traced inline inside a caller's XLA computation) on a validated
 extras["attention_scores"] (B, N, T, S) when asked for, {} otherwise.
 
 What the path lacks and where ``"auto"`` may take it are declared in its registration
-(``dcmha.backends.xla.IMPLEMENTATION``); ``unsupported`` and ``preferred`` below add the
-checks that need the call's tensors. ``dcmha.ops.explain_implementation`` tells, for a
+(``dcmha.backends.xla.IMPLEMENTATION``: calls traced into a graph only, since an eager
+call's per-shape XLA compile costs more than one call saves; figures in
+benchmarks/RESULTS.md, "Dispatch thresholds"); ``unsupported`` below adds the checks that
+need the call's tensors. ``dcmha.ops.explain_implementation`` tells, for a
 call, why each path is taken or passed over.
 
 Conventions checked against the "ops" core and ``spec/SPEC.md``: the core scales the
@@ -28,19 +30,6 @@ def unsupported(call):
                 f"Received: q.shape={tuple(call.q.shape)}, k.shape={tuple(call.k.shape)}, "
                 f"v.shape={tuple(call.v.shape)}")
     return None
-
-
-def preferred(call) -> bool:
-    """Whether ``implementation="auto"`` takes the XLA core: when TensorFlow traces a graph.
-
-    Eager calls take "ops": their per-shape XLA compile costs more than one call saves
-    (figures: benchmarks/RESULTS.md, "Dispatch thresholds").
-    """
-    import tensorflow as tf
-
-    # Unknown lengths (an exporter's trace, e.g. Keras's ONNX export through tf2onnx,
-    # which cannot convert the compiled function's PartitionedCall) keep "ops".
-    return not tf.executing_eagerly() and None not in (call.T, call.S)
 
 
 def attention(call):

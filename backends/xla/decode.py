@@ -18,7 +18,8 @@ matrix-vector products are slower than TensorFlow's (a whole step compiled with
 ``jit_compile=True`` ran 5x slower at D=1024: benchmarks/RESULTS.md).
 
 ``"auto"`` takes it for one-query calls made while TensorFlow traces a graph (a
-``tf.function``, e.g. ``DCFormerLM.generate``'s step or Keras ``predict``).
+``tf.function``, e.g. ``DCFormerLM.generate``'s step or Keras ``predict``; its
+registration declares ``one_query_only`` and ``graph_only``).
 Eager calls keep the plain core: each new shape or configuration compiles an
 XLA program, which costs more than one eager call saves. Any other call that
 names it (more than one query, dropout in training, returned scores or
@@ -28,14 +29,6 @@ intermediates) runs the plain core, ``dcmha.ops.attention``.
 from __future__ import annotations
 
 _STEP = []       # the compiled step, made on first use (importing TensorFlow then)
-
-
-def preferred(call) -> bool:
-    """``"auto"`` takes this path for one-query calls traced into a graph."""
-    if call.S is None:                       # T == 1: declared (``one_query_only``)
-        return False
-    import tensorflow as tf
-    return not tf.executing_eagerly()
 
 
 def _products_compose(x, terms, M):

@@ -11,10 +11,9 @@ import numpy as np
 
 __all__ = ["readable_value", "to_layer_device", "arange_int32", "stack", "unstack",
            "eager_slice_write", "cache_writer", "step_dynamic_weights", "fused_query",
-           "fused_query_projection",
-           "call_sublayer", "device", "LOOPED_CHUNKS", "decode_step", "step_index",
-           "prepare_export", "DEMO_JIT_COMPILE", "TORCH_MODULES", "SHARD_MAP",
-           "whole_values"]
+           "fused_query_projection", "call_sublayer", "device", "building_graph",
+           "LOOPED_CHUNKS", "decode_step", "step_index", "prepare_export", "DEMO_JIT_COMPILE",
+           "TORCH_MODULES", "SHARD_MAP", "whole_values"]
 
 
 def readable_value(x):
@@ -93,6 +92,13 @@ def device(x=None):
     new array (its default device). The seam's one device probe (read by the plain core and
     ``dcmha.registry.current_device``)."""
     return "cpu"
+
+
+def building_graph():
+    """Whether the code runs while a graph is being built from it (TensorFlow's
+    ``tf.function``): the registry's rule for paths declared ``graph_only``. Backends that
+    compile traces of eager code (``jax.jit``) build no such graph: False."""
+    return False
 
 
 #: Whether many query chunks run as ``ops.map`` loops (a traced program stays bounded)

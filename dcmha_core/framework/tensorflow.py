@@ -78,6 +78,12 @@ def device(x=None):
     return "gpu" if not name and tf.config.list_logical_devices("GPU") else "cpu"
 
 
+def building_graph():
+    """Whether TensorFlow is tracing a graph (``tf.function``), not executing eagerly."""
+    import tensorflow as tf
+    return not tf.executing_eagerly()
+
+
 LOOPED_CHUNKS = True
 
 

@@ -80,12 +80,26 @@ def eager_slice_write(entry, index, update):
     return out
 
 
+#: The functions "torch_native" provided, kept once found (a call then does not go back to
+#: ``provided``).
+_NATIVE = {}
+
+
+def _native(name):
+    fn = _NATIVE.get(name)
+    if fn is None:
+        fn = provided("torch", name)
+        if fn is not None:
+            _NATIVE[name] = fn
+    return fn
+
+
 def step_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
     """Eager PyTorch: the provided "step_dynamic_weights" (``torch_native``'s kernel for a
     step's rows), split into the C slots."""
     if not _eager(x, *(w for w in (dw1, qkw, dd) if w is not None)):
         return None
-    native = provided("torch", "step_dynamic_weights")
+    native = _native("step_dynamic_weights")
     if native is None:
         return None
     stacked = native(x, dw1, qkw, dd, C=C, rank=rank, gelu_approximate=gelu_approximate,
@@ -123,7 +137,7 @@ def fused_query_projection(x, kernel, bias, dw1, qkw, dd, *, C, rank, gelu_appro
     (``torch_native.dynamic_weights.fused_query_projection``)."""
     if not _eager(x, *(w for w in (kernel, bias, dw1, qkw, dd) if w is not None)):
         return None
-    native = provided("torch", "fused_query_projection")
+    native = _native("fused_query_projection")
     if native is None:
         return None
     return native(x, kernel, bias, dw1, qkw, dd, C=C, rank=rank,

@@ -3,10 +3,10 @@
     core          ``dcmha_attention`` (the one attention core) and its dispatch through
                   the registry, ``explain_implementation``; the plain ``keras.ops`` core
                   it falls back on, the "ops" implementation (``attention``): query
-                  blocks, looped chunks, the one-query path
+                  blocks, looped chunks, the one-query path; its masks (block masks,
+                  their standard form, the keys a block can see)
     composition   head composition: ``compose``, its small factors, ``decode_compose``,
                   and the dynamic terms (``dynamic_weights``, ``rms_normalize``)
-    masks         block masks, their standard form, the keys a block can see
     tensors       small pieces: rotary embedding, stacking, cache writes (the casts
                   ``as_dtype`` and ``dtype_name`` are the seam's)
 
@@ -45,9 +45,9 @@ from dcmha.ops.composition import (LOW_RANK_TERMS, compose, compose_matrices, de
                                    plain_dynamic_weights, query_compose_matrix, rms_normalize,
                                    stage_terms)
 from dcmha.ops.core import (IMPLEMENTATION, MAX_UNROLLED_CHUNKS, attention,
-                            auto_query_chunk_size, core_result, dcmha_attention,
-                            explain_implementation, join_blocks, one_query_probs, split_blocks)
-from dcmha.ops.masks import block_mask, key_range, standardize_mask
+                            auto_query_chunk_size, block_mask, core_result, dcmha_attention,
+                            explain_implementation, join_blocks, key_range, one_query_probs,
+                            split_blocks, standardize_mask)
 from dcmha.ops.tensors import arange_int32, cache_writer, rope, stack, unstack, write_slice
 # The spec's epsilons, under the names the seam and the layer read from here.
 from dcmha.spec.reference import QK_NORM_EPS, W1_NORM_EPS

@@ -380,7 +380,8 @@ def _dynamic_kernel_spy(monkeypatch):
             if out is not None:
                 ran.append(1)
             return out
-        monkeypatch.setattr(owner, "dynamic_weights", spy)
+        from dcmha.framework import tensorflow as seam_tf
+        monkeypatch.setattr(seam_tf, "_STEP_KERNEL", {"dynamic_weights": spy})
     else:
         pytest.skip("no step kernel for the dynamic weights on this backend")
     return cpu_kernel.DYNAMIC_ROWS, ran
@@ -429,8 +430,8 @@ def test_step_dynamic_weights_in_the_kernel(monkeypatch, parts, approximate):
 def _no_step_kernel(monkeypatch):
     """The backend's step kernel for dynamic weights switched off (the framework's ops)."""
     if BACKEND == "torch":
-        from dcmha.backends.torch_native import decode
-        monkeypatch.setattr(decode, "dynamic_weights", lambda *a, **k: None)
+        from dcmha.backends.torch_native import dynamic_weights
+        monkeypatch.setattr(dynamic_weights, "_kernel_dynamic_weights", lambda *a, **k: None)
     else:
         from dcmha.framework import tensorflow as seam_tf
         monkeypatch.setattr(seam_tf, "_STEP_KERNEL", {"dynamic_weights": None})
@@ -466,20 +467,20 @@ def _dynamic_grads(x, dw1, qkw, dd, slots, R, approximate, ups):
 def test_torch_fused_query_projection(reference_case, monkeypatch, name, use_bias):
     """Eager torch without gradients: from the second one-token step with unchanged
     weights, the query projection and the dynamic weights come from one matrix product
-    with [kernel | dw1 | dd] (``torch_native.decode.fused_projection``), at the spec's
+    with [kernel | dw1 | dd] (``torch_native.dynamic_weights.fused_projection``), at the spec's
     numbers. Weights assigned between steps are read again (the first step after does
     not use the old concatenation); ``FUSED_PROJECTION = False`` turns it off."""
     import torch
 
     from dcmha.backends import cpu_kernel
-    from dcmha.backends.torch_native import decode
+    from dcmha.backends.torch_native import dynamic_weights
     if cpu_kernel.load() is None:
         pytest.skip(f"no compiled kernel: {cpu_kernel.unavailable_reason()}")
     ran = []
     inner = cpu_kernel.dynamic_finish
     monkeypatch.setattr(cpu_kernel, "dynamic_finish",
                         lambda *a, **k: ran.append(1) or inner(*a, **k))
-    monkeypatch.setattr(decode, "FUSED_PROJECTION", True)
+    monkeypatch.setattr(dynamic_weights, "FUSED_PROJECTION", True)
     kwargs = dict(CONFIGS[name], rope_max_wavelength=100.0, use_bias=use_bias)
     case = reference_case(kwargs, T=5)
     cfg, x, params = case["cfg"], case["query"], case["params"]
@@ -517,11 +518,11 @@ def test_torch_fused_query_projection(reference_case, monkeypatch, name, use_bia
     for n in (2, 3):
         assert_close(run(), y_ref2)
         assert len(ran) == n
-    monkeypatch.setattr(decode, "FUSED_PROJECTION", False)
+    monkeypatch.setattr(dynamic_weights, "FUSED_PROJECTION", False)
     assert_close(run(), y_ref2)
     assert len(ran) == 3
     # A query projection with LoRA (its B starts at zero: same numbers) is not fused.
-    monkeypatch.setattr(decode, "FUSED_PROJECTION", True)
+    monkeypatch.setattr(dynamic_weights, "FUSED_PROJECTION", True)
     layer.enable_lora(2, projections=("query",))
     for _ in range(2):
         assert_close(run(), y_ref2)

@@ -69,6 +69,7 @@ CAPABILITIES = ["attention_scores", "dropout", "head_masks", "intermediates", "q
 AUTO_GPU_ONLY = "'auto' takes it on gpu, not on cpu"
 AUTO_SMALL = "'auto' takes it from T * S >= {}; this call has T * S = {}"
 AUTO_ONE_QUERY = "'auto' takes it for one-query calls (T = 1); this call has T = {}"
+AUTO_GRAPH_ONLY = "'auto' takes it for calls traced into a graph; this call runs eagerly"
 SMALL, LARGE = 6, 96                       # T = S: T * S = 36 and 9216
 
 
@@ -235,6 +236,8 @@ def test_entry_points_are_checked(monkeypatch, toy, case):
      "Received: cpu_env={'X': 1}"),
     (dict(one_query_only=1),
      "`one_query_only` of implementation 'toy' must be a bool. Received: one_query_only=1"),
+    (dict(graph_only="yes"),
+     "`graph_only` of implementation 'toy' must be a bool. Received: graph_only='yes'"),
     (dict(devices={"cpu"}, auto_devices={"gpu"}),
      "`auto_devices` of implementation 'toy' must be a subset of ['cpu']. Received: ['gpu']"),
     (dict(lacks={"dropout", "flash"}),
@@ -417,7 +420,7 @@ def expected_rows(size):
         rows = [("tf_decode", AUTO_ONE_QUERY.format(size)),
                 ("tf_cpu", _small("tf_cpu", size) if small else _kernel_row("tf_cpu"))]
         if rows[-1][1] is not None:       # eager: "xla" only when TensorFlow traces a graph
-            rows.append(("xla", "not preferred for this call"))
+            rows.append(("xla", AUTO_GRAPH_ONLY))
     else:
         rows = []
     if not rows or rows[-1][1] is not None:
@@ -458,6 +461,29 @@ def test_explain_in_a_traced_tensorflow_function():
     q = np.zeros((1, 1, 2, 4), np.float32)
     tf.function(lambda a, b: rows.append(dops.explain_implementation(a, b, b)) or a)(q, x)
     assert rows == [[("tf_decode", None)]]
+
+
+def test_graph_only_paths_take_graph_calls_with_known_lengths(toy):
+    """A path declared ``graph_only``: eager calls pass it over before its module is asked;
+    in a TensorFlow graph it takes the calls whose lengths are known."""
+    register, module = toy
+    register("toy", auto_devices={"cpu"}, priority=1000, graph_only=True)
+    large = describe(T=LARGE)
+    assert registry.explain(large)[0] == ("toy", AUTO_GRAPH_ONLY)
+    assert module.seen == []
+    if BACKEND != "tensorflow":
+        return
+    import tensorflow as tf
+    x = np.zeros((1, LARGE, 2, 4), np.float32)
+    rows = []
+    tf.function(lambda a: rows.append(dops.explain_implementation(a, a, a)) or a)(x)
+    assert rows[0][0] == ("toy", None)
+    rows.clear()
+    spec = tf.TensorSpec((1, None, 2, 4), tf.float32)
+    tf.function(lambda a: rows.append(dops.explain_implementation(a, a, a)) or a,
+                input_signature=[spec]).get_concrete_function()
+    assert rows[0][0] == ("toy", "'auto' takes it for calls whose lengths are known; this "
+                                 "call has T = None, S = None")
 
 
 def test_auto_checks_the_declared_rules_before_the_module(toy):

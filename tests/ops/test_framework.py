@@ -357,7 +357,7 @@ args = [tf.constant(a) for a in args]
 run = tf.function(lambda *a: dops.dynamic_weights(*a, slots=("pre_query", "post_key"),
                                                    rank=1))
 """
-        want = "dcmha.backends.tf_cpu.core"
+        want = "dcmha.backends.tf_cpu.dcmha_tf_cpu"
     assert _run_fresh(_FIRST_DYNAMIC.format(convert=convert, backend=BACKEND)) == want
 
 

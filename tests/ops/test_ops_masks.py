@@ -1,4 +1,4 @@
-"""``dcmha.ops.masks``: the block masks of the functional core against the spec.
+"""The masks of the functional core (``dcmha.ops.core``) against the spec.
 
 Every mask here is compared with the spec's position rule (SPEC.md, "Masks"), written out
 in NumPy below one query and key at a time, independently of ``dcmha.spec.terms.visible``
@@ -20,7 +20,7 @@ import pytest
 import keras
 from keras import ops
 
-from dcmha.ops import masks
+from dcmha.ops import core
 from dcmha.spec import reference
 from dcmha.spec import terms as spec_terms
 
@@ -69,7 +69,7 @@ def test_the_spec_mask_is_the_rule(rule, rng):
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: "-".join(f"{k[:6]}{v}" for k, v in
                                                                r.items()))
 def test_block_mask_follows_the_position_rule(rule, block):
-    got = np_(masks.block_mask(None, *block, **rule))
+    got = np_(core.block_mask(None, *block, **rule))
     want = expected(1, rule, block)
     assert got.dtype == bool
     assert got.shape == want.shape == (1, block[1] - block[0], block[3] - block[2])
@@ -78,14 +78,14 @@ def test_block_mask_follows_the_position_rule(rule, block):
 
 @pytest.mark.backend_independent
 def test_block_mask_without_a_rule_or_a_mask_is_none():
-    assert masks.block_mask(None, 0, T, 0, S, use_causal_mask=False, sliding_window=None,
+    assert core.block_mask(None, 0, T, 0, S, use_causal_mask=False, sliding_window=None,
                             query_offset=3) is None
 
 
 @pytest.mark.parametrize("block", BLOCKS[:3])
 def test_block_mask_takes_a_tensor_offset(block):
     rule = dict(use_causal_mask=True, sliding_window=3, query_offset=2)
-    got = np_(masks.block_mask(None, *block, **{**rule, "query_offset":
+    got = np_(core.block_mask(None, *block, **{**rule, "query_offset":
                                                  ops.convert_to_tensor(2, "int32")}))
     np.testing.assert_array_equal(got, expected(1, rule, block))
 
@@ -96,7 +96,7 @@ def test_block_mask_takes_a_tensor_offset(block):
 @pytest.mark.parametrize("block", [BLOCKS[0], BLOCKS[4]])
 def test_block_mask_joins_a_shared_mask(shape, rule, block, rng):
     m = rng.random(shape) < 0.6
-    got = np_(masks.block_mask(masks.standardize_mask(ops.convert_to_tensor(m)), *block,
+    got = np_(core.block_mask(core.standardize_mask(ops.convert_to_tensor(m)), *block,
                                **rule))
     want = expected(2, rule, block, attention_mask=m)
     # Broadcast (size-1) axes of the caller's mask stay size 1.
@@ -113,7 +113,7 @@ def test_block_mask_joins_a_shared_mask(shape, rule, block, rng):
 def test_block_mask_joins_a_per_head_mask(rule, block, rng):
     B, N = 2, 3
     m = rng.random((B, N, T, S)) < 0.6
-    got = np_(masks.block_mask(masks.standardize_mask(ops.convert_to_tensor(m)), *block,
+    got = np_(core.block_mask(core.standardize_mask(ops.convert_to_tensor(m)), *block,
                                **rule))
     t0, t1, s0, s1 = block
     assert got.shape == (B, N, t1 - t0, s1 - s0)
@@ -131,20 +131,20 @@ def test_block_mask_joins_a_per_head_mask(rule, block, rng):
 @pytest.mark.parametrize("dtype", ["bool", "int32"])
 def test_standardize_mask(shape, out, dtype, rng):
     m = (rng.random(shape) < 0.5).astype(dtype) * (3 if dtype == "int32" else 1)
-    got = masks.standardize_mask(ops.convert_to_tensor(m))
+    got = core.standardize_mask(ops.convert_to_tensor(m))
     assert keras.backend.standardize_dtype(got.dtype) == "bool"
     assert tuple(got.shape) == out
     np.testing.assert_array_equal(np_(got), (m != 0).reshape(out))
 
 
 def test_standardize_mask_of_none_is_none():
-    assert masks.standardize_mask(None) is None
+    assert core.standardize_mask(None) is None
 
 
 @pytest.mark.parametrize("shape", [(2, 5, T, S), (2, 5, 1, S), (2, 1, T, 1)])
 def test_slice_mask_cuts_only_full_axes(shape, rng):
     m = rng.random(shape) < 0.5
-    got = np_(masks._slice_mask(ops.convert_to_tensor(m), 1, 4, 2, 6))
+    got = np_(core._slice_mask(ops.convert_to_tensor(m), 1, 4, 2, 6))
     rows = slice(1, 4) if shape[-2] != 1 else slice(None)
     cols = slice(2, 6) if shape[-1] != 1 else slice(None)
     np.testing.assert_array_equal(got, m[..., rows, cols])
@@ -154,7 +154,7 @@ def test_slice_mask_cuts_only_full_axes(shape, rng):
 def test_mask5_is_the_query_major_layout(shape, rng):
     G = 2
     m = rng.random(shape) < 0.5
-    got = np_(masks._mask5(ops.convert_to_tensor(m), G))
+    got = np_(core._mask5(ops.convert_to_tensor(m), G))
     if len(shape) == 3:
         want = m[:, :, None, None, :]                                  # (B, t, 1, 1, s)
     else:
@@ -168,7 +168,7 @@ def test_mask5_is_the_query_major_layout(shape, rng):
 def test_visible_rows(shape, rng):
     m = rng.random(shape) < 0.2
     m[..., 1, :] = False                                  # a row that sees nothing
-    got = np_(masks._visible_rows(ops.convert_to_tensor(m)))
+    got = np_(core._visible_rows(ops.convert_to_tensor(m)))
     rows = m.any(axis=-1).astype(np.float32)
     want = rows[:, :, None] if len(shape) == 3 else rows.transpose(0, 2, 1)
     assert got.dtype == np.float32 and got.shape == want.shape
@@ -185,7 +185,7 @@ def test_visible_rows(shape, rng):
                                                 query_offset=0)])
 def test_key_range_holds_exactly_the_visible_keys(rule, block):
     t0, t1 = block
-    s0, s1 = masks.key_range(t0, t1, S, **rule)
+    s0, s1 = core.key_range(t0, t1, S, **rule)
     seen = np.flatnonzero(expected(1, rule, (t0, t1, 0, S))[0].any(axis=0))
     if seen.size:
         assert (s0, s1) == (seen[0], seen[-1] + 1)
@@ -197,5 +197,5 @@ def test_key_range_holds_exactly_the_visible_keys(rule, block):
 
 
 def test_key_range_with_a_tensor_offset_is_every_key():
-    assert masks.key_range(2, 5, S, use_causal_mask=True, sliding_window=2,
+    assert core.key_range(2, 5, S, use_causal_mask=True, sliding_window=2,
                            query_offset=ops.convert_to_tensor(3, "int32")) == (0, S)
