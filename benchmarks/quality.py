@@ -555,11 +555,18 @@ def plot(records_by_group, path, title):
     plt.close(fig)
 
 
-def conditions(args, records):
+def conditions(args, records, table=None):
+    """What every run of ``table`` shares (a setting the table varies, such as the learning
+    rate of the "lr" table, is named in its groups instead)."""
     any_rec = next(iter(records.values()), None)
     cfg = dict(base_config(args))
-    for k in ("variant", "seed"):
-        cfg.pop(k)
+    configs = [c for _, c in table_runs(args, table)] if table else []
+    for k in list(cfg):
+        values = {repr(c.get(k)): c.get(k) for c in configs}
+        if k in ("variant", "seed") or len(values) > 1:
+            cfg.pop(k)
+        elif values:
+            cfg[k] = next(iter(values.values()))
     return dict(config=cfg, keras=any_rec and any_rec.get("keras"),
                 command="python benchmarks/quality.py " + " ".join(sys.argv[1:]))
 
@@ -571,7 +578,7 @@ def report(args, table, records):
         rec = records.get(run_key(cfg))
         if rec is not None:
             by_group.setdefault(group, []).append(rec)
-    out = dict(table=table, conditions=conditions(args, records),
+    out = dict(table=table, conditions=conditions(args, records, table),
                runs=[run_key(c) for _, c in runs],
                missing=[run_key(c) for _, c in runs if run_key(c) not in records])
     if table == "multiplier":
