@@ -43,6 +43,8 @@ STUDY = (
     "Multi-seed study (benchmarks/quality.py; benchmarks/RESULTS.md, 'Quality study'), "
     "2 x 64 byte-level models, 300 steps, DCFormer++ minus Transformer++ in validation "
     "nats/byte, mean [95% CI], wins:\n"
+    "  per CPU second DCFormer++ loses: in its best regime below its steps are worth 1.14x "
+    "Transformer++'s and cost 1.67x (2 cores, 8 heads of 8), 0.68x [0.63, 0.74] per second\n"
     "  4 heads of 16, lr 3e-3 (5 seeds): -0.022 [-0.046, +0.002], 4/5; DCFormer++ at 1x the "
     "steps = Transformer++ at 1.07x [1.00, 1.14]\n"
     "  8 heads of 8, lr 3e-3 (5 seeds): -0.089 [-0.116, -0.062], 5/5; = Transformer++ at "
@@ -52,9 +54,7 @@ STUDY = (
     "  2 heads of 32: +0.028 [-0.022, +0.078], 0/3; at lr 6e-3 without the 0.1x: +0.079 "
     "(4 heads of 16)\n"
     "  4 x 256, 16 heads of 16, lr 6e-3, composition weights at 0.1x (5 seeds): +0.059 "
-    "[-0.025, +0.144], 0/5; at 1x: +0.458 (2 seeds)\n"
-    "  time per step on a 2-core CPU (8 heads of 8): DCFormer++ 1.67x Transformer++'s, so "
-    "per CPU second it loses (1.14x the steps' worth for 1.67x the time).")
+    "[-0.025, +0.144], 0/5; at 1x: +0.460 [+0.429, +0.490], 0/5")
 DEFAULTS = dict(steps=100, seq_len=64, batch_size=16, max_bytes=2_000_000, val_fraction=0.1,
                 val_windows=64, eval_points=6, learning_rate=3e-3, seed=0,
                 sample_prompt="def ", sample_length=120)
