@@ -10,13 +10,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-#: T * S from which ``implementation="auto"`` takes the blocked PyTorch core ("torch") over
-#: the plain one: below it both take a few milliseconds, dominated by per-op overhead (see
-#: backends/torch_native/core.py). The compiled XLA and TensorFlow paths set their own
-#: (``cpu_kernel_package``'s ``min_length_product``; RESULTS.md, "Dispatch thresholds").
-CPU_MIN_LENGTH_PRODUCT = 64 * 128
-
-
 #: What the blocked CPU-kernel paths ("jax_cpu", "tf_cpu") cannot do: the probabilities
 #: are never materialised, the blocks are unrolled at trace time from static sizes and a
 #: static query offset, and the kernel takes one mask for all heads and no dropout.

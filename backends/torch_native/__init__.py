@@ -15,7 +15,7 @@ first lookup.
 import importlib.util
 
 from dcmha import framework
-from dcmha.backends import CPU_MIN_LENGTH_PRODUCT, decode_implementation, lazy_attributes
+from dcmha.backends import decode_implementation, lazy_attributes
 from dcmha.registry import Implementation
 
 __all__ = ["IMPLEMENTATION", "DECODE_IMPLEMENTATION", "dcmha_attention", "dcmha_attention_reference", "default_block_q", "is_available"]
@@ -29,11 +29,16 @@ def is_available() -> bool:
 __getattr__ = lazy_attributes(__name__, "dcmha_torch",
                               ("dcmha_attention", "dcmha_attention_reference", "default_block_q"))
 
+#: T * S from which "auto" takes this path on a CPU: one layer's training step is faster
+#: than the plain core's from T = S = 16 (0.86-0.90x; at T = S = 8 they are even); RESULTS.md,
+#: "Dispatch thresholds".
+MIN_LENGTH_PRODUCT = 16 * 16
+
 IMPLEMENTATION = Implementation(
     name="torch", backend="torch", module="dcmha.backends.torch_native.core",
     devices=frozenset({"cpu", "gpu"}), auto_devices=frozenset({"cpu"}),
     lacks=frozenset({"intermediates", "dropout", "head_masks", "symbolic_shapes"}),
-    priority=10, min_length_product=CPU_MIN_LENGTH_PRODUCT,
+    priority=10, min_length_product=MIN_LENGTH_PRODUCT,
     description="blocked PyTorch autograd function with a recomputing backward; composes "
                 "in the compiled C kernel on CPU")
 

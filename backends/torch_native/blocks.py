@@ -166,10 +166,49 @@ def _heads(y, b, l0, l1):
     return y[b, l0:l1].transpose(0, 1)
 
 
+#: Largest block (t * s) whose per-head products run as one batched GEMM over all (B, N)
+#: matrices, from head-major copies of the block's rows of q, k, v: one strided GEMM call
+#: per batch element costs more than its arithmetic there (2 x 64 with T = 64, B 16:
+#: PyTorch splits each strided call into one small GEMM per head, 1,000 a step).
+BATCHED_MAX_BLOCK = 64 * 64
+
+
+def _batched(t, s):
+    """Whether a t x s block takes the batched GEMMs (``BATCHED_MAX_BLOCK``)."""
+    return t * s <= BATCHED_MAX_BLOCK
+
+
+def _bn_rows(y, l0, l1):
+    """Rows l0:l1 of a (B, L, N, e) tensor as contiguous (B N, l, e) matrices (a copy)."""
+    B, _, N, e = y.shape
+    return y[:, l0:l1].transpose(1, 2).reshape(B * N, l1 - l0, e)
+
+
+def _bn(x):
+    """A block view x (B, t, N, s) as (B N, t, s) matrices (a view when head-major)."""
+    B, t, N, s = x.shape
+    return x.transpose(1, 2).reshape(B * N, t, s)
+
+
+def _put_rows(y, l0, l1, m, *, accumulate=False):
+    """y[:, l0:l1] (B, l, N, e) = m, or += m, for m (B N, l, e) from ``_bn`` products."""
+    B, _, N, e = y.shape
+    src = m.view(B, N, l1 - l0, e).transpose(1, 2)
+    if accumulate:
+        y[:, l0:l1] += src
+    else:
+        y[:, l0:l1] = src
+
+
 def _scores(q3, k3, scale, ws, name, t0, t1, s0, s1):
     """scale * q k^T of a block as a (B, t, N, s) view of a head-major (B, N, t, s) buffer."""
     B, N = q3.shape[0], q3.shape[2]
-    x = ws.take(name, B, N, t1 - t0, s1 - s0)
+    t, s = t1 - t0, s1 - s0
+    x = ws.take(name, B, N, t, s)
+    if _batched(t, s):
+        x.view(B * N, t, s).baddbmm_(_bn_rows(q3, t0, t1),
+                                     _bn_rows(k3, s0, s1).transpose(1, 2), beta=0, alpha=scale)
+        return x.transpose(1, 2)
     for b in range(B):
         x[b].baddbmm_(_heads(q3, b, t0, t1), _heads(k3, b, s0, s1).transpose(1, 2),
                       beta=0, alpha=scale)

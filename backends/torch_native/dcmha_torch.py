@@ -74,8 +74,8 @@ from dcmha.spec import terms as spec_terms
 
 from .. import kernel_call, torch_common
 from . import is_available  # noqa: F401  (re-exported)
-from .blocks import (_Problem, _Workspace, _blocks, _heads, _per_head, _run_blocks, _scores,
-                     _workers)
+from .blocks import (_Problem, _Workspace, _batched, _blocks, _bn, _bn_rows, _heads, _per_head,
+                     _put_rows, _run_blocks, _scores, _workers)
 from .compose import (_compose, _compose_backward, _kernel,  # noqa: F401  (_kernel re-exported)
                       _probabilities, _softmax_backward)
 
@@ -201,6 +201,9 @@ def _forward(pb: _Problem, mask, q3, k3, v3, pre, post, want_scores):
                          inplace=True)
         if scores is not None:
             scores[:, :, t0:t1, s0:s1] = p2.transpose(1, 2)
+        if _batched(t1 - t0, s1 - s0):
+            _put_rows(o, t0, t1, torch.bmm(_bn(p2), _bn_rows(v3, s0, s1)))
+            return
         for b, ph in _per_head(p2):       # in place on the strided view: no copy
             _heads(o, b, t0, t1).baddbmm_(ph, _heads(v3, b, s0, s1), beta=0)
 
@@ -246,14 +249,23 @@ def _backward(pb: _Problem, mask, q3, k3, v3, pre, post, do3, dscores, needs):
         p = _probabilities(y, fills, empty, s0, ws, "bp")           # y may be x (no pre terms)
         p2, h_post = _compose(p, post, pb, ws, "by", "bh_post", t0, t1, s0, s1,
                               inplace=False)
-        if needs["v"]:
-            for b, ph in _per_head(p2):
-                _heads(dv_acc, b, s0, s1).baddbmm_(ph.transpose(1, 2), _heads(do3, b, t0, t1))
         B, N, t, s = pb.B, pb.N, t1 - t0, s1 - s0
+        batched = _batched(t, s)
         dp2 = ws.take("bdp2", B, N, t, s)
-        for b in range(B):
-            torch.bmm(_heads(do3, b, t0, t1), _heads(v3, b, s0, s1).transpose(1, 2),
-                      out=dp2[b])
+        if batched:
+            do_bn = _bn_rows(do3, t0, t1)
+            if needs["v"]:
+                _put_rows(dv_acc, s0, s1, torch.bmm(_bn(p2).transpose(1, 2), do_bn),
+                          accumulate=True)
+            torch.bmm(do_bn, _bn_rows(v3, s0, s1).transpose(1, 2), out=dp2.view(B * N, t, s))
+        else:
+            if needs["v"]:
+                for b, ph in _per_head(p2):
+                    _heads(dv_acc, b, s0, s1).baddbmm_(ph.transpose(1, 2),
+                                                       _heads(do3, b, t0, t1))
+            for b in range(B):
+                torch.bmm(_heads(do3, b, t0, t1), _heads(v3, b, s0, s1).transpose(1, 2),
+                          out=dp2[b])
         if dscores is not None:
             # scores = mask * P'; hidden entries of dP' do not matter (P is 0 there).
             dp2 += dscores[:, :, t0:t1, s0:s1]
@@ -261,6 +273,15 @@ def _backward(pb: _Problem, mask, q3, k3, v3, pre, post, do3, dscores, needs):
         dp = _compose_backward(p, dp2, h_post, post, dpost, pb, ws, "by", t0, t1, s0, s1)
         da = _softmax_backward(dp, p, ws, "bda")
         dx = _compose_backward(x, da, h_pre, pre, dpre, pb, ws, "by", t0, t1, s0, s1)
+        if batched:
+            dx_bn = _bn(dx)
+            if needs["q"]:
+                _put_rows(dq3, t0, t1, torch.bmm(dx_bn, _bn_rows(k3, s0, s1)).mul_(pb.scale))
+            if needs["k"]:
+                _put_rows(dk_acc, s0, s1, torch.bmm(dx_bn.transpose(1, 2),
+                                                    _bn_rows(q3, t0, t1)).mul_(pb.scale),
+                          accumulate=True)
+            return
         for b, dh in _per_head(dx):
             if needs["q"]:
                 _heads(dq3, b, t0, t1).baddbmm_(dh, _heads(k3, b, s0, s1), beta=0,

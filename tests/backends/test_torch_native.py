@@ -466,7 +466,7 @@ def test_registry_contract():
     from dcmha import registry
     impl = registry.get("torch")
     assert (impl.backend, impl.module) == ("torch", "dcmha.backends.torch_native.core")
-    assert impl.auto_devices == {"cpu"} and impl.min_length_product == 64 * 128
+    assert impl.auto_devices == {"cpu"} and impl.min_length_product == 16 * 16
     small = [torch.zeros(1, 8, 2, 4)] * 3
     big = [torch.zeros(1, 96, 2, 4)] * 3
     assert path_core.unsupported(_call(*small)) is None
@@ -488,7 +488,7 @@ def test_registry_contract():
     with pytest.raises(ValueError, match="^`query_offset` must be a non-negative integer"):
         _call(*small, query_offset=1.5)
     rows = registry.explain(_call(*small))               # T * S below the threshold
-    assert ("torch", "'auto' takes it from T * S >= 8192; this call has T * S = 64") in rows
+    assert ("torch", "'auto' takes it from T * S >= 256; this call has T * S = 64") in rows
     assert registry.select("auto", _call(*big))[0] in ("torch", "triton")
     assert registry.select("auto", _call(*small))[0] == "ops"
 

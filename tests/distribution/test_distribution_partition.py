@@ -136,7 +136,7 @@ def _worker():
             if scores else None,
             "scale": float(np.abs(np.asarray(ref[0])).max())}
 
-    # "auto" under a (2, 4) mesh, at T * S over its CPU threshold (64 * 128): it takes the
+    # "auto" under a (2, 4) mesh, at T * S over its CPU threshold: it takes the
     # kernel when the 4 groups split over the 4 model devices, and passes over it (with
     # the reason) when 2 groups would straddle them.
     for groups in (4, 2):

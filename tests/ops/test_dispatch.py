@@ -51,7 +51,7 @@ TRITON_MSG = ("`implementation='triton'` cannot run this call: needs CUDA tensor
               "Received: q on cpu")
 #: Why "auto" passes over a GPU-only fast path on CPU, and over a small call.
 AUTO_GPU_ONLY = "'auto' takes it on gpu, not on cpu"
-AUTO_SMALL = "'auto' takes it from T * S >= 8192; this call has T * S = {}"
+AUTO_SMALL = "'auto' takes it from T * S >= 256; this call has T * S = {}"
 AUTO_ONE_QUERY = "'auto' takes it for one-query calls (T = 1); this call has T = {}"
 
 needs_torch = pytest.mark.skipif(BACKEND != "torch", reason="a rule of the torch backend")
@@ -336,7 +336,7 @@ def test_auto_never_takes_triton_for_cpu_tensors(chosen, reference_case):
     before = "triton" in sys.modules
     call = make_call()
     name, _ = registry.select("auto", call)
-    # Triton is GPU-only for "auto"; "torch" takes CPU calls from T * S = 8192 (this is 36).
+    # Triton is GPU-only for "auto"; "torch" takes CPU calls from T * S = 256 (this is 36).
     assert name == "ops"
     assert registry.explain(call) == [("triton", AUTO_GPU_ONLY),
                                       ("torch_decode", AUTO_ONE_QUERY.format(6)),

@@ -53,7 +53,7 @@ BUILT_INS = {
 #: and intermediates for all of them by test_dispatch.py).
 DECLARED = {
     "ops": ("any", {"cpu", "gpu", "tpu"}, set(), 0, 0),
-    "torch": ("torch", {"cpu", "gpu"}, {"cpu"}, 10, 8192),
+    "torch": ("torch", {"cpu", "gpu"}, {"cpu"}, 10, 256),
     "torch_decode": ("torch", {"cpu", "gpu"}, {"cpu"}, 15, 0),
     "triton": ("torch", {"gpu"}, {"gpu"}, 20, 0),
     "pallas": ("jax", {"cpu", "gpu", "tpu"}, {"gpu"}, 20, 0),
