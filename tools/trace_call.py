@@ -29,7 +29,13 @@ def package_roots():
 def traced_files(layer, x, **kwargs):
     """The package files whose code runs in ``layer(x, x, **kwargs)``, in first-entered order."""
     roots = package_roots()
-    skip = (os.path.abspath(__file__), os.path.join(ROOT, ".venv") + os.sep)
+    import dcmha
+    package = os.path.dirname(os.path.abspath(dcmha.__file__)) + os.sep
+    # The interpreter's own tree (a virtual environment may sit inside the checkout,
+    # as CI's does) holds Keras and the frameworks, not dcmha: only the installed
+    # package itself counts from there.
+    skip = (os.path.abspath(__file__),
+            *{os.path.abspath(p) + os.sep for p in (sys.prefix, sys.exec_prefix)})
     seen = {}
 
     def profile(frame, event, arg):
@@ -48,7 +54,7 @@ def traced_files(layer, x, **kwargs):
     for path in seen:
         path = os.path.abspath(path)
         if (os.path.isfile(path) and path.startswith(roots)
-                and not path.startswith(skip)):
+                and (path.startswith(package) or not path.startswith(skip))):
             out.append(_readable(path))
     return list(dict.fromkeys(out))
 
