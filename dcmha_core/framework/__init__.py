@@ -80,6 +80,7 @@ _find_lock = threading.Lock()
 _loaders = {}     # (keras backend, name) -> load() -> the function
 _loaded = {}      # (keras backend, name) -> the function, or None (its load failed)
 _finder = None    # imports the packages that call ``provide``; run before the first lookup
+_once = {}        # the seams' copy of ``_loaded`` (``_common.provided_once``), emptied with it
 
 
 def provide(keras_backend, name, load):
@@ -94,6 +95,7 @@ def provide(keras_backend, name, load):
     with _lock:
         _loaders[(keras_backend, name)] = load
         _loaded.pop((keras_backend, name), None)
+        _once.clear()
 
 
 def set_finder(find):
@@ -106,6 +108,7 @@ def set_finder(find):
         _finder = find
         for key in [k for k, fn in _loaded.items() if fn is None]:
             del _loaded[key]          # looked up before: look again, after ``find``
+        _once.clear()
 
 
 def provided(keras_backend, name):

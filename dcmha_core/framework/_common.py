@@ -16,6 +16,19 @@ __all__ = ["readable_value", "to_layer_device", "arange_int32", "stack", "unstac
            "TORCH_MODULES", "SHARD_MAP", "whole_values"]
 
 
+def provided_once(keras_backend, name):
+    """``dcmha.framework.provided(keras_backend, name)``, looked up once: a step's seam
+    function then does not go back to the registry (``provide`` and ``set_finder``
+    forget the copy)."""
+    from dcmha import framework
+    key = (keras_backend, name)
+    try:
+        return framework._once[key]
+    except KeyError:
+        fn = framework._once[key] = framework.provided(keras_backend, name)
+        return fn
+
+
 def readable_value(x):
     """``x`` as a NumPy array when its value can be read now, else None (a traced or
     symbolic tensor, whose reading would bake the value or break the graph)."""

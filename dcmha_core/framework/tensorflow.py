@@ -6,10 +6,10 @@ The compiled kernel's op for a decoding step's dynamic weights lives in
 
 import numpy as np
 
-from dcmha.framework import provided
 from dcmha.framework._common import *  # noqa: F401,F403
 from dcmha.framework._common import __all__  # noqa: F401
 from dcmha.framework._common import _last_logits
+from dcmha.framework._common import provided_once
 from dcmha.framework._common import readable_value as _readable
 from dcmha.spec.reference import W1_NORM_EPS
 
@@ -47,21 +47,11 @@ def cache_writer(index, new_length, batch):
     return write
 
 
-#: The step kernel of the dynamic weights (provided by "tf_cpu"), found once.
-_STEP_KERNEL = {}
-
-
-def _step_kernel():
-    if "dynamic_weights" not in _STEP_KERNEL:
-        _STEP_KERNEL["dynamic_weights"] = provided("tensorflow", "step_dynamic_weights")
-    return _STEP_KERNEL["dynamic_weights"]
-
-
 def step_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
     """The provided "step_dynamic_weights" ("tf_cpu"'s kernel op) when it takes x (B, L,
     D) (sizes known, few rows, not in an XLA trace): it writes each slot's array, so a
     graph has no reshape or unstack op after it."""
-    fast = _step_kernel()
+    fast = provided_once("tensorflow", "step_dynamic_weights")
     if fast is None or None in tuple(x.shape):
         return None
     return fast(x, dw1, qkw, dd, C=C, rank=rank, gelu_approximate=gelu_approximate,

@@ -10,10 +10,10 @@ weights of a step, the fused query projection, the ONNX exporter's ``rms_norm``)
 import numpy as np
 import torch
 
-from dcmha.framework import provided
 from dcmha.framework._common import *  # noqa: F401,F403
 from dcmha.framework._common import __all__  # noqa: F401
 from dcmha.framework._common import _last_logits  # noqa: F401
+from dcmha.framework._common import provided_once
 from dcmha.framework._common import readable_value as _readable
 from dcmha.framework._common import stack as _stack
 from dcmha.framework._common import unstack as _unstack
@@ -80,26 +80,12 @@ def eager_slice_write(entry, index, update):
     return out
 
 
-#: The functions "torch_native" provided, kept once found (a call then does not go back to
-#: ``provided``).
-_NATIVE = {}
-
-
-def _native(name):
-    fn = _NATIVE.get(name)
-    if fn is None:
-        fn = provided("torch", name)
-        if fn is not None:
-            _NATIVE[name] = fn
-    return fn
-
-
 def step_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
     """Eager PyTorch: the provided "step_dynamic_weights" (``torch_native``'s kernel for a
     step's rows), split into the C slots."""
     if not _eager(x, *(w for w in (dw1, qkw, dd) if w is not None)):
         return None
-    native = _native("step_dynamic_weights")
+    native = provided_once("torch", "step_dynamic_weights")
     if native is None:
         return None
     stacked = native(x, dw1, qkw, dd, C=C, rank=rank, gelu_approximate=gelu_approximate,
@@ -137,7 +123,7 @@ def fused_query_projection(x, kernel, bias, dw1, qkw, dd, *, C, rank, gelu_appro
     (``torch_native.dynamic_weights.fused_query_projection``)."""
     if not _eager(x, *(w for w in (kernel, bias, dw1, qkw, dd) if w is not None)):
         return None
-    native = _native("fused_query_projection")
+    native = provided_once("torch", "fused_query_projection")
     if native is None:
         return None
     return native(x, kernel, bias, dw1, qkw, dd, C=C, rank=rank,
@@ -187,7 +173,7 @@ def prepare_export(format):
     """ONNX: the provided "prepare_onnx_export" (``torch_native`` teaches the TorchScript
     exporter ``aten::rms_norm``, Keras's RMSNorm)."""
     if format == "onnx":
-        prepare = provided("torch", "prepare_onnx_export")
+        prepare = provided_once("torch", "prepare_onnx_export")
         if prepare is not None:
             prepare()
 

@@ -380,8 +380,7 @@ def _dynamic_kernel_spy(monkeypatch):
             if out is not None:
                 ran.append(1)
             return out
-        from dcmha.framework import tensorflow as seam_tf
-        monkeypatch.setattr(seam_tf, "_STEP_KERNEL", {"dynamic_weights": spy})
+        _seam_step_kernel(monkeypatch, spy)
     else:
         pytest.skip("no step kernel for the dynamic weights on this backend")
     return cpu_kernel.DYNAMIC_ROWS, ran
@@ -433,8 +432,13 @@ def _no_step_kernel(monkeypatch):
         from dcmha.backends.torch_native import dynamic_weights
         monkeypatch.setattr(dynamic_weights, "_kernel_dynamic_weights", lambda *a, **k: None)
     else:
-        from dcmha.framework import tensorflow as seam_tf
-        monkeypatch.setattr(seam_tf, "_STEP_KERNEL", {"dynamic_weights": None})
+        _seam_step_kernel(monkeypatch, None)
+
+
+def _seam_step_kernel(monkeypatch, fn):
+    """The tensorflow seam's step kernel for dynamic weights replaced by ``fn``."""
+    from dcmha import framework
+    monkeypatch.setitem(framework._once, ("tensorflow", "step_dynamic_weights"), fn)
 
 
 def _dynamic_grads(x, dw1, qkw, dd, slots, R, approximate, ups):

@@ -245,6 +245,7 @@ def clean_seam(monkeypatch):
     monkeypatch.setattr(framework, "_loaders", {})
     monkeypatch.setattr(framework, "_loaded", {})
     monkeypatch.setattr(framework, "_finder", None)
+    monkeypatch.setattr(framework, "_once", {})
 
 
 def test_provide_refuses_an_unknown_name_and_a_non_callable(clean_seam):
@@ -274,6 +275,20 @@ def test_provided_loads_once_on_first_use(clean_seam):
     assert framework.provided("other_backend", "step_dynamic_weights") is None
     framework.provide("a_backend", "step_dynamic_weights", lambda: max)   # replaced
     assert framework.provided("a_backend", "step_dynamic_weights") is max
+
+
+def test_the_seams_copy_follows_provide_and_the_finder(clean_seam):
+    """``_common.provided_once`` (what a step reads) gives what ``provided`` gives, and a
+    later ``provide`` or ``set_finder`` is seen by it."""
+    from dcmha.framework import _common
+    assert _common.provided_once("a_backend", "step_dynamic_weights") is None
+    framework.set_finder(lambda: framework.provide("a_backend", "step_dynamic_weights",
+                                                   lambda: len))
+    assert _common.provided_once("a_backend", "step_dynamic_weights") is len
+    framework.provide("a_backend", "step_dynamic_weights", lambda: max)
+    assert _common.provided_once("a_backend", "step_dynamic_weights") is max
+    assert _common.provided_once("a_backend", "step_dynamic_weights") is framework.provided(
+        "a_backend", "step_dynamic_weights")
 
 
 def test_a_load_that_cannot_import_gives_none(clean_seam):
