@@ -200,14 +200,17 @@ def _put_rows(y, l0, l1, m, *, accumulate=False):
         y[:, l0:l1] = src
 
 
-def _scores(q3, k3, scale, ws, name, t0, t1, s0, s1):
-    """scale * q k^T of a block as a (B, t, N, s) view of a head-major (B, N, t, s) buffer."""
+def _scores(q3, k3, scale, ws, name, t0, t1, s0, s1, rows=None):
+    """scale * q k^T of a block as a (B, t, N, s) view of a head-major (B, N, t, s) buffer.
+
+    ``rows``: the block's ``_bn_rows`` of q and k where the caller has them already (a
+    batched block's backward uses them again)."""
     B, N = q3.shape[0], q3.shape[2]
     t, s = t1 - t0, s1 - s0
     x = ws.take(name, B, N, t, s)
     if _batched(t, s):
-        x.view(B * N, t, s).baddbmm_(_bn_rows(q3, t0, t1),
-                                     _bn_rows(k3, s0, s1).transpose(1, 2), beta=0, alpha=scale)
+        q_bn, k_bn = rows or (_bn_rows(q3, t0, t1), _bn_rows(k3, s0, s1))
+        x.view(B * N, t, s).baddbmm_(q_bn, k_bn.transpose(1, 2), beta=0, alpha=scale)
         return x.transpose(1, 2)
     for b in range(B):
         x[b].baddbmm_(_heads(q3, b, t0, t1), _heads(k3, b, s0, s1).transpose(1, 2),

@@ -244,13 +244,14 @@ def _backward(pb: _Problem, mask, q3, k3, v3, pre, post, do3, dscores, needs):
         dpre = [d_pre[0]] + acc[2:5]
         dpost = [d_post[0]] + acc[5:8]
         ws = _Workspace(device)
-        x = _scores(q3, k3, pb.scale, ws, "bx", t0, t1, s0, s1)     # kept for pre's backward
+        B, N, t, s = pb.B, pb.N, t1 - t0, s1 - s0
+        batched = _batched(t, s)
+        rows = (_bn_rows(q3, t0, t1), _bn_rows(k3, s0, s1)) if batched else None
+        x = _scores(q3, k3, pb.scale, ws, "bx", t0, t1, s0, s1, rows)  # kept for pre's backward
         y, h_pre = _compose(x, pre, pb, ws, "by", "bh_pre", t0, t1, s0, s1, inplace=False)
         p = _probabilities(y, fills, empty, s0, ws, "bp")           # y may be x (no pre terms)
         p2, h_post = _compose(p, post, pb, ws, "by", "bh_post", t0, t1, s0, s1,
                               inplace=False)
-        B, N, t, s = pb.B, pb.N, t1 - t0, s1 - s0
-        batched = _batched(t, s)
         dp2 = ws.take("bdp2", B, N, t, s)
         if batched:
             do_bn = _bn_rows(do3, t0, t1)
@@ -276,10 +277,10 @@ def _backward(pb: _Problem, mask, q3, k3, v3, pre, post, do3, dscores, needs):
         if batched:
             dx_bn = _bn(dx)
             if needs["q"]:
-                _put_rows(dq3, t0, t1, torch.bmm(dx_bn, _bn_rows(k3, s0, s1)).mul_(pb.scale))
+                _put_rows(dq3, t0, t1, torch.bmm(dx_bn, rows[1]).mul_(pb.scale))
             if needs["k"]:
                 _put_rows(dk_acc, s0, s1, torch.bmm(dx_bn.transpose(1, 2),
-                                                    _bn_rows(q3, t0, t1)).mul_(pb.scale),
+                                                    rows[0]).mul_(pb.scale),
                           accumulate=True)
             return
         for b, dh in _per_head(dx):
