@@ -23,7 +23,9 @@ kernel reads it once.
 
 Masked entries get -1e30 before the softmax, so their probabilities are
 exactly 0, and so are their post-composed values (compose mixes heads at a
-fixed (t, s)); rows without a visible key are zeroed on the output.
+fixed (t, s)); rows without a visible key are zeroed on the output. Under a
+causal mask both composes tell the kernel the block's offset
+(``cpu_kernel.causal_flags``), and it skips the keys the mask hides.
 Everything is float32.
 
 ``reference`` is the same function without blocks or the kernel
@@ -208,8 +210,12 @@ def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, c
         t, s = t1 - t0, s1 - s0
         x = ops.reshape(ops.matmul(q_parts[i], dops.join_blocks(k_parts[j0:j1], axis=3)),
                         (B, G, M, t, s))
+        # The kernel skips keys a causal mask hides (out and dx 0 there; the mask below
+        # replaces them, and the softmax's gradient is 0 there).
+        causal_bits = (cpu_kernel.causal_flags(t0 + query_offset - s0)
+                       if causal and t0 + query_offset - s0 < s - 1 else 0)
         if stages[0] is not None:
-            x = _compose_block(compose, x, *stages[0], i, j0, j1)
+            x = _compose_block(compose, x, stages[0][0], stages[0][1] | causal_bits, i, j0, j1)
         vis = dops.block_mask(mask, t0, t1, s0, s1, use_causal_mask=causal,
                                sliding_window=sliding_window, query_offset=query_offset)
         if vis is not None:
@@ -221,7 +227,7 @@ def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, c
         # one visible key: softmax is 1 (a masked one belongs to a fully masked row)
         p = ops.ones_like(x) if s == 1 else ops.softmax(x, axis=-1)
         if stages[1] is not None:
-            p = _compose_block(compose, p, *stages[1], i, j0, j1)
+            p = _compose_block(compose, p, stages[1][0], stages[1][1] | causal_bits, i, j0, j1)
         o = ops.matmul(ops.reshape(p, (B, N, t, s)), dops.join_blocks(v_parts[j0:j1], axis=2))
         if vis is not None:                      # rows without a visible key -> 0
             o = o * ops.cast(ops.any(vis, axis=-1), "float32")[:, None, :, None]

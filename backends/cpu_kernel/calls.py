@@ -19,6 +19,7 @@ import ctypes
 
 __all__ = ["compose_forward", "compose_backward", "decode_probs", "decode_terms", "key_row",
            "dynamic_weights", "dynamic_finish", "dynamic_sizes", "DYNAMIC_ROWS", "cached_flags",
+           "causal_flags",
            "CACHED_TERMS"]
 
 _FIELDS = (
@@ -36,6 +37,7 @@ _FIELDS = (
     + [(n, ctypes.c_int64) for n in ("dkw_b", "dkw_g", "dkw_r", "dkw_m")]
     + [("kdd", ctypes.c_void_p)] + [(n, ctypes.c_int64) for n in ("kd_b", "kd_g", "kd_m")]
     + [("dkdd", ctypes.c_void_p)] + [(n, ctypes.c_int64) for n in ("dkd_b", "dkd_g", "dkd_m")]
+    + [(n, ctypes.c_int64) for n in ("causal", "causal_off")]
 )
 
 
@@ -95,16 +97,29 @@ def _check_block(x, same, st, G, R, names=("wq", "kw1", "kw2", "kdd")):
                     f"{tuple(x.shape)}; received {tuple(term.shape)}")
 
 
-def compose_forward(lib, x, out, st, G, R):
+def _causal(a, causal_off):
+    if causal_off is not None:
+        a.causal, a.causal_off = 1, int(causal_off)
+
+
+def causal_flags(causal_off) -> int:
+    """The flags bits (``DCMHA_CAUSAL`` of ``csrc/dcmha_args.h``) of a causal block whose
+    row i sees its keys j <= i + causal_off (the framework wrappers' compose calls)."""
+    return 64 + int(causal_off) * 256
+
+
+def compose_forward(lib, x, out, st, G, R, causal_off=None):
     """out = Compose(x) for a block; x, out (B, t, N, s) views (out may be x).
 
     st = (wq rows of the block (B, t, N, N) or None, kw1, kw2 (B, G, R, M, s) or
     None, kdd (B, G, M, s) or None), every array float32 with a contiguous last
-    axis; kw2's strides must equal kw1's.
+    axis; kw2's strides must equal kw1's. ``causal_off``: a causal block whose row i
+    sees keys j <= i + causal_off (``Args.causal``: out is 0 at the others), or None.
     """
     B, t, N, s = x.shape
     _check_block(x, (out,), st, G, R if st[1] is not None else 1)
     a = _args(x, out, st, G, N // G, R, s)
+    _causal(a, causal_off)
     if lib.dcmha_compose_forward(ctypes.byref(a)):
         raise MemoryError("dcmha C kernel: out of memory for its chunk buffer")
     return out
@@ -264,12 +279,13 @@ def dynamic_finish(lib, pre, h_col, g_col, qkw, w1, w2, g, *, GC, K, M, rank,
                              ptr(w2), ptr(g))
 
 
-def compose_backward(lib, x, g, dx, st, dst, G, R):
+def compose_backward(lib, x, g, dx, st, dst, G, R, causal_off=None):
     """dx = dCompose/dx^T g for a block and d(terms) accumulated (dx may be g).
 
     dst = (d_wq rows (B, t, N, N) (written by +=, the diagonal blocks only),
     d_kw1, d_kw2 (B, G, R, M, s), d_kdd (B, G, M, s)), None where the term is
-    absent; d_kw2's strides must equal d_kw1's.
+    absent; d_kw2's strides must equal d_kw1's. ``causal_off`` as ``compose_forward``'s
+    (dx is 0 at the masked keys, which add nothing to d(terms)).
     """
     B, t, N, s = x.shape
     R_ = R if st[1] is not None else 1
@@ -284,6 +300,7 @@ def compose_backward(lib, x, g, dx, st, dst, G, R):
     _view(a, "dkw1", d_kw1, ("dkw_b", "dkw_g", "dkw_r", "dkw_m"))
     a.dkw2 = None if d_kw2 is None else d_kw2.data_ptr()
     _view(a, "dkdd", d_kdd, ("dkd_b", "dkd_g", "dkd_m"))
+    _causal(a, causal_off)
     if lib.dcmha_compose_backward(ctypes.byref(a)):
         raise MemoryError("dcmha C kernel: out of memory for its chunk buffer")
     return dx

@@ -8,7 +8,8 @@
    gating) and writes the result once. The backward recomputes the key-side hidden values and
    accumulates every term gradient in the same pass. (M, R) with M in 1, 2, 4, 8, 16 and R in
    1, 2, 4 are compiled with M and R fixed; other sizes, and the last s % VL keys, run
-   generic loops.
+   generic loops. In a causal block (Args.causal) the compiled rows stop after each row's
+   last visible key, rounded up to VL, and write zeros past it.
 
    Compiles on its own: cc -O3 -march=native -fopenmp-simd -std=c11 -shared -fPIC compose.c */
 #include <math.h>
@@ -222,6 +223,22 @@ INLINE float hsum(const vf *v) {
     return t;
 }
 
+/* Where row i's vectorised keys end: jv, or in a causal block (Args.causal) the first
+   multiple of VL past its last visible key i + causal_off, at most jv. */
+INLINE int64_t row_end(const Args *a, int64_t i, int64_t jv) {
+    if (!a->causal) return jv;
+    const int64_t n = i + a->causal_off + 1;
+    if (n <= 0) return 0;
+    const int64_t e = (n + VL - 1) / VL * VL;
+    return e < jv ? e : jv;
+}
+
+/* Zeros into the M rows (stride n) of row at keys [j0, j1) (multiples of VL). */
+INLINE void zero_rows(float *row, int64_t n, int64_t j0, int64_t j1, const int M) {
+    for (int64_t j = j0; j < j1; j += VL)
+        _Pragma("GCC unroll 16") for (int m = 0; m < M; m++) ST(row + m * n + j, (vf){0});
+}
+
 INLINE void forward_rows(const Args *a, int64_t b, int64_t gi, int64_t jv, const int M,
                          const int R) {
     KEY_SIDE(b, gi)
@@ -232,7 +249,9 @@ INLINE void forward_rows(const Args *a, int64_t b, int64_t gi, int64_t jv, const
             float *orow = a->out + b * a->o_b + i * a->o_i + gi * M * a->o_n;
             const float *wq = a->wq ? a->wq + b * a->wq_b + i * a->wq_i
                                             + gi * a->wq_g : 0;
-            for (int64_t j = j0; j < j1; j += VL) {
+            const int64_t je = row_end(a, i, jv), jc = je < j1 ? (je > j0 ? je : j0) : j1;
+            zero_rows(orow, a->o_n, jc, j1, M);     /* masked keys (a causal block) */
+            for (int64_t j = j0; j < jc; j += VL) {
                 vf X[16], O[16], H[4];
                 _Pragma("GCC unroll 16") for (int m = 0; m < M; m++) X[m] = LD(xr + m * a->x_n + j);
                 if (wq) {
@@ -301,9 +320,10 @@ INLINE void backward_rows(const Args *a, int64_t b, int64_t gi, int64_t jv, cons
     /* Row by row: the wq pass brings the row's x and g into cache for the main pass, and
        the key-side accumulators (5 M s floats) stay in L2. */
     for (int64_t i = 0; i < a->t; i++) {
-        if (a->wq) backward_wq_row(a, b, gi, i, jv, M);   /* reads g before dx overwrites it */
+        const int64_t je = row_end(a, i, jv);   /* keys [je, jv) masked: dx 0, no gradient */
+        if (a->wq) backward_wq_row(a, b, gi, i, je, M);   /* reads g before dx overwrites it */
         {
-            const int64_t j0 = 0, j1 = jv;
+            const int64_t j0 = 0, j1 = je;
             const float *xr = a->x + b * a->x_b + i * a->x_i + gi * M * a->x_n;
             const float *gr = a->g + b * a->g_b + i * a->g_i + gi * M * a->g_n;
             float *orow = a->out + b * a->o_b + i * a->o_i + gi * M * a->o_n;
@@ -354,6 +374,7 @@ INLINE void backward_rows(const Args *a, int64_t b, int64_t gi, int64_t jv, cons
                 }
                 _Pragma("GCC unroll 16") for (int m = 0; m < M; m++) ST(orow + m * a->o_n + j, D[m]);
             }
+            zero_rows(orow, a->o_n, j1, jv, M);
         }
     }
 }
@@ -475,6 +496,11 @@ void dcmha_fill_args(Args *a, const int64_t *d, int64_t R, const float *x, const
         a->kdd = kdd;
         a->kd_m = a->s; a->kd_g = M * a->s; a->kd_b = a->G * a->kd_g;
         a->dkd_b = a->kd_b; a->dkd_g = a->kd_g; a->dkd_m = a->kd_m;
+    }
+    if (flags & DCMHA_CAUSAL) {
+        a->causal = 1;
+        a->causal_off = (flags - (flags & ((1 << DCMHA_CAUSAL_SHIFT) - 1)))
+                        / (1 << DCMHA_CAUSAL_SHIFT);
     }
 }
 

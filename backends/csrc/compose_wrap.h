@@ -5,7 +5,8 @@
    Arrays: x, out, g (B, G, M, t, s); wq, dwq (B, t, G, M, M) ([n, m]: out[n] = sum_m
    wq[n, m] x[m]); kw1, kw2 and their gradients (B, G, R, M, s); kdd, dkdd (B, G, M, s).
    ``flags`` says which terms are present (DCMHA_HAS_*; dcmha.backends.cpu_blocks.flags_of
-   sets them); absent ones are passed as 1-element dummies.
+   sets them; absent ones are passed as 1-element dummies) and whether the block is causal
+   (DCMHA_CAUSAL with its offset: dcmha.backends.cpu_kernel.causal_flags).
 
    Each wrapper also exports its own view of the Args layout (DCMHA_DEFINE_ARGS_LAYOUT with
    dcmha_cxx_args_layout / dcmha_cxx_args_names), which the loader checks. */

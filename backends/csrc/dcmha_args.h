@@ -41,12 +41,21 @@ typedef struct DcmhaArgs {
     float *dkw1; float *dkw2; int64_t dkw_b, dkw_g, dkw_r, dkw_m;
     const float *kdd; int64_t kd_b, kd_g, kd_m;
     float *dkdd; int64_t dkd_b, dkd_g, dkd_m;
+    /* A causal block: when causal is nonzero, row i's keys j > i + causal_off are masked.
+       The vectorised rows skip them: out there is 0 (forward and backward), and they add
+       nothing to a term gradient, which is exact for the blocks of a DCMHA core: before the
+       softmax (the caller masks those entries afterwards; g, the softmax's gradient, is 0
+       there) and after it (x, the masked probabilities, is 0 there). */
+    int64_t causal, causal_off;
 } Args;
 
 /* Which terms a wrapper passes (the others are 1-element dummies, or NULL). */
 enum { DCMHA_HAS_WQ = 1, DCMHA_HAS_KW = 2, DCMHA_HAS_KDD = 4,
        /* dcmha_compose_cached's query side, as the spec's terms */
-       DCMHA_HAS_QW = 8, DCMHA_HAS_QDD = 16, DCMHA_HAS_STATIC = 32 };
+       DCMHA_HAS_QW = 8, DCMHA_HAS_QDD = 16, DCMHA_HAS_STATIC = 32,
+       /* a causal block (Args.causal), its causal_off in the flags' bits from
+          DCMHA_CAUSAL_SHIFT up: flags = bits + causal_off * 256 (causal_off may be < 0) */
+       DCMHA_CAUSAL = 64, DCMHA_CAUSAL_SHIFT = 8 };
 
 /* The kernel's entry points: 0 on success, 1 when its chunk buffer cannot be allocated.
    Forward: out = Compose(x). Backward: out = dCompose/dx^T g (out may alias g), and the
@@ -67,7 +76,8 @@ DCMHA_C_LINKAGE DCMHA_EXPORT int64_t dcmha_compose_chunks(const Args *a, int64_t
 
 /* Args for contiguous arrays: x (and out, g) (B, G, M, t, s) from d = {B, G, M, t, s}; wq
    (B, t, G, M, M); kw1, kw2 (B, G, R, M, s); kdd (B, G, M, s); a term whose DCMHA_HAS_* bit
-   is not in flags is left absent (NULL). Every other field is zero. */
+   is not in flags is left absent (NULL); DCMHA_CAUSAL sets causal and causal_off. Every
+   other field is zero. */
 DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_fill_args(Args *a, const int64_t *d, int64_t R,
                                                   const float *x, const float *wq,
                                                   const float *kw1, const float *kw2,
@@ -186,7 +196,8 @@ DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_half_to_float(const uint16_t *h, float *
     F(dwq) F(dwq_b) F(dwq_i) F(dwq_g) F(dwq_n) F(dwq_m)                                 \
     F(kw1) F(kw2) F(kw_b) F(kw_g) F(kw_r) F(kw_m)                                       \
     F(dkw1) F(dkw2) F(dkw_b) F(dkw_g) F(dkw_r) F(dkw_m)                                 \
-    F(kdd) F(kd_b) F(kd_g) F(kd_m) F(dkdd) F(dkd_b) F(dkd_g) F(dkd_m)
+    F(kdd) F(kd_b) F(kd_g) F(kd_m) F(dkdd) F(dkd_b) F(dkd_g) F(dkd_m)                 \
+    F(causal) F(causal_off)
 
 #define DCMHA_FIELD_LAYOUT_(f) (int64_t)offsetof(Args, f), (int64_t)sizeof(((Args *)0)->f),
 #define DCMHA_FIELD_NAME_(f) #f " "

@@ -38,6 +38,15 @@ def _block_terms(st, t0, t1, s0, s1):
             None if kw2 is None else kw2[..., s0:s1], None if kdd is None else kdd[..., s0:s1])
 
 
+def _causal_off(pb: _Problem, t0, s0, s):
+    """The kernel's ``causal_off`` for a block at (t0, s0) with s keys: row i sees keys
+    j <= i + causal_off under a causal mask; None where every key is visible (or no mask).
+    The kernel then skips the masked keys, whose values no later step reads: the softmax's
+    mask replaces them before, and its gradient is 0 there after."""
+    off = t0 + pb.offset - s0
+    return off if pb.causal and off < s - 1 else None
+
+
 def _hidden(x5, w, out):
     """out[b, t, g, r, s] = sum_m x5[b, t, g, m, s] * w[b, g, r, m, s]."""
     w = w[:, None]                                                # (B, 1, G, R, M, s)
@@ -62,7 +71,8 @@ def _compose(x, st, pb: _Problem, ws, out_name, h_name, t0, t1, s0, s1, inplace)
     lib = _kernel(x, *st)
     if lib is not None:
         out = x if inplace else ws.take(out_name, B, t, N, s)
-        cpu_kernel.compose_forward(lib, x, out, _block_terms(st, t0, t1, s0, s1), G, pb.R)
+        cpu_kernel.compose_forward(lib, x, out, _block_terms(st, t0, t1, s0, s1), G, pb.R,
+                                   _causal_off(pb, t0, s0, s))
         return out, None
     x5 = x.unflatten(2, (G, M))
     h = None
@@ -108,7 +118,8 @@ def _compose_backward(x, g, h, st, dst, pb: _Problem, ws, out_name, t0, t1, s0, 
     lib = _kernel(x, g, *st, *dst)
     if lib is not None:          # dx in place of g
         return cpu_kernel.compose_backward(lib, x, g, g, _block_terms(st, t0, t1, s0, s1),
-                                           _block_terms(dst, t0, t1, s0, s1), G, pb.R)
+                                           _block_terms(dst, t0, t1, s0, s1), G, pb.R,
+                                           _causal_off(pb, t0, s0, s))
     x5, g5 = x.unflatten(2, (G, M)), g.unflatten(2, (G, M))
     tmp = ws.take("tmp", B, t, G, M, s)
     gk = None

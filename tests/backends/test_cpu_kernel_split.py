@@ -1,6 +1,7 @@
-"""The C kernel's (b, g) slices (``csrc/compose.c``: ``dcmha_compose_slices``,
-``dcmha_compose_chunks``), which the XLA FFI handlers and the TensorFlow ops split a call
-over their thread pools by (``compose_wrap.h``'s ``dcmha_compose_split``).
+"""How the C kernel cuts a call's work: its (b, g) slices (``csrc/compose.c``:
+``dcmha_compose_slices``, ``dcmha_compose_chunks``), which the XLA FFI handlers and the
+TensorFlow ops split a call over their thread pools by (``compose_wrap.h``'s
+``dcmha_compose_split``), and a causal block's masked keys, which it skips.
 
 Every partition of a call's B G slices, run part by part, must give the whole call's forward
 and backward bit for bit: each slice writes only its own rows (the term gradients are per
@@ -55,16 +56,16 @@ class Call:
         self.terms = (f32(B, t, G, M, M), f32(B, G, R, M, s), f32(B, G, R, M, s),
                       f32(B, G, M, s))
 
-    def args(self):
+    def args(self, flags=ALL_TERMS):
         a = cpu_kernel.calls._Args()
         self.lib.dcmha_fill_args(ctypes.byref(a), (ctypes.c_int64 * 5)(*self.dims), self.R,
-                                 _floats(self.x), *map(_floats, self.terms), ALL_TERMS)
+                                 _floats(self.x), *map(_floats, self.terms), flags)
         return a
 
-    def run(self, backward, parts=None):
+    def run(self, backward, parts=None, flags=ALL_TERMS):
         """out (forward), or (dx, dwq, dkw1, dkw2, dkdd), from the ranges ``parts`` in turn
         (None: the whole call, dcmha_compose_forward / backward)."""
-        a = self.args()
+        a = self.args(flags)
         out = np.full_like(self.x, np.nan)
         a.out = out.ctypes.data
         grads = [np.zeros_like(term) for term in self.terms]
@@ -118,3 +119,31 @@ def test_chunk_counts(lib):
     assert chunks(3, 5, 8, 64, 64, 64) == 15     # at most one chunk per slice
     assert chunks(1, 1, 8, 64, 64, 4) == 1       # one slice
     assert chunks(2, 1, 2, 4, 16, 2) == 1        # too small to split
+
+
+@pytest.mark.parametrize("M,s", [(8, 16), (8, 21), (3, 16)])
+@pytest.mark.parametrize("causal_off", [-3, 0, 5, 40])
+def test_a_causal_block_skips_its_masked_keys_exactly(lib, M, s, causal_off):
+    """With ``cpu_kernel.causal_flags(off)`` (row i sees keys j <= i + off) the visible
+    entries are the whole call's bit for bit; the masked ones are written (0 where the
+    vectorised rows skip them); and the term gradients are the whole call's where, as in a
+    DCMHA core, g is 0 at the masked keys (the compose before the softmax) or x is (after
+    it). Vectorised (M = 8) and generic (M = 3) kernels, with and without a key tail."""
+    t = 12
+    call = Call(lib, 7 * M + s, B=2, G=2, M=M, t=t, s=s, R=2)
+    vis = np.arange(s)[None, :] <= np.arange(t)[:, None] + causal_off        # (t, s)
+    flags = ALL_TERMS | cpu_kernel.causal_flags(causal_off)
+    full, = call.run(False)
+    out, = call.run(False, flags=flags)
+    assert not np.isnan(out).any()
+    np.testing.assert_array_equal(np.where(vis, out, 0), np.where(vis, full, 0))
+    assert np.all((out == 0) | (out == full))
+    for zeroed in ("g", "x"):                       # before the softmax, after it
+        call = Call(lib, 7 * M + s, B=2, G=2, M=M, t=t, s=s, R=2)
+        setattr(call, zeroed, np.where(vis, getattr(call, zeroed), 0).astype(np.float32))
+        want = call.run(True)
+        got = call.run(True, flags=flags)
+        assert not any(np.isnan(a).any() for a in got)
+        np.testing.assert_array_equal(np.where(vis, got[0], 0), np.where(vis, want[0], 0))
+        for g, w in zip(got[1:], want[1:]):
+            np.testing.assert_array_equal(g, w)
