@@ -54,7 +54,8 @@ STUDY = (
     "  2 heads of 32: +0.028 [-0.022, +0.078], 0/3; at lr 6e-3 without the 0.1x: +0.079 "
     "(4 heads of 16)\n"
     "  4 x 256, 16 heads of 16, lr 6e-3, composition weights at 0.1x (5 seeds): +0.059 "
-    "[-0.025, +0.144], 0/5; at 1x: +0.460 [+0.429, +0.490], 0/5")
+    "[-0.025, +0.144], 0/5; at 1x: +0.460 [+0.429, +0.490], 0/5; DCMHA in every 2nd layer "
+    "only: +0.008 [-0.015, +0.031], 1/5; every 4th: +0.022 [-0.014, +0.058], 2/5")
 DEFAULTS = dict(steps=100, seq_len=64, batch_size=16, max_bytes=2_000_000, val_fraction=0.1,
                 val_windows=64, eval_points=6, learning_rate=3e-3, seed=0,
                 sample_prompt="def ", sample_length=120)
