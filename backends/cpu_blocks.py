@@ -210,10 +210,8 @@ def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, c
         t, s = t1 - t0, s1 - s0
         x = ops.reshape(ops.matmul(q_parts[i], dops.join_blocks(k_parts[j0:j1], axis=3)),
                         (B, G, M, t, s))
-        # The kernel skips keys a causal mask hides (out and dx 0 there; the mask below
-        # replaces them, and the softmax's gradient is 0 there).
-        causal_bits = (cpu_kernel.causal_flags(t0 + query_offset - s0)
-                       if causal and t0 + query_offset - s0 < s - 1 else 0)
+        causal_bits = cpu_kernel.causal_flags(
+            cpu_kernel.block_causal_off(causal, t0, s0, s, query_offset))
         if stages[0] is not None:
             x = _compose_block(compose, x, stages[0][0], stages[0][1] | causal_bits, i, j0, j1)
         vis = dops.block_mask(mask, t0, t1, s0, s1, use_causal_mask=causal,

@@ -19,18 +19,21 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def package_dir():
+    """The folder of the imported ``dcmha`` package."""
+    import dcmha
+    return os.path.dirname(os.path.abspath(dcmha.__file__))
+
+
 def package_roots():
     """The folders whose files are dcmha's (the installed package and the source tree)."""
-    import dcmha
-    roots = {os.path.dirname(os.path.abspath(dcmha.__file__)), ROOT}
-    return tuple(sorted(r + os.sep for r in roots))
+    return tuple(sorted(r + os.sep for r in {package_dir(), ROOT}))
 
 
 def traced_files(layer, x, **kwargs):
     """The package files whose code runs in ``layer(x, x, **kwargs)``, in first-entered order."""
     roots = package_roots()
-    import dcmha
-    package = os.path.dirname(os.path.abspath(dcmha.__file__)) + os.sep
+    package = package_dir() + os.sep
     # The interpreter's own tree (a virtual environment may sit inside the checkout,
     # as CI's does) holds Keras and the frameworks, not dcmha: only the installed
     # package itself counts from there.
@@ -61,8 +64,7 @@ def traced_files(layer, x, **kwargs):
 
 def _readable(path):
     """A path as the package names it (dcmha/...) where it is the installed package."""
-    import dcmha
-    pkg = os.path.dirname(os.path.abspath(dcmha.__file__))
+    pkg = package_dir()
     if path.startswith(pkg + os.sep):
         return "dcmha/" + os.path.relpath(path, pkg)
     return os.path.relpath(path, ROOT)

@@ -69,14 +69,13 @@ from .build import (CSRC, LIBRARIES, KernelWarning, Plan, Recipe, _C_LAYOUT, _CX
                     compose_recipe, disabled, fallback, ffi_recipe, load, ort_recipe, plan,
                     tf_recipe, unavailable_reason)
 from .cache import _install, _lookup, _trusted_dir, cache_dir
-from .calls import (CACHED_TERMS, DYNAMIC_ROWS, _FIELDS, cached_flags, causal_flags,
-                    compose_backward,
-                    compose_forward, decode_probs, decode_terms, dynamic_finish, dynamic_sizes,
+from .calls import (CACHED_TERMS, DYNAMIC_ROWS, _FIELDS, block_causal_off, cached_flags,
+                    causal_flags, compose_backward, compose_forward, decode_probs, decode_terms, dynamic_finish, dynamic_sizes,
                     dynamic_weights, key_row)
 
 __all__ = ["load", "unavailable_reason", "compose_forward", "compose_backward",
            "decode_probs", "dynamic_weights", "dynamic_finish", "dynamic_sizes", "DYNAMIC_ROWS",
-           "cached_flags", "causal_flags", "CACHED_TERMS", "disabled",
+           "cached_flags", "causal_flags", "block_causal_off", "CACHED_TERMS", "disabled",
            "KernelWarning", "Recipe", "Plan", "compose_recipe", "ffi_recipe", "tf_recipe",
            "ort_recipe", "plan", "build_library", "check_library", "fallback", "cache_dir",
            "CSRC"]

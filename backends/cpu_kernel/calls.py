@@ -19,7 +19,7 @@ import ctypes
 
 __all__ = ["compose_forward", "compose_backward", "decode_probs", "decode_terms", "key_row",
            "dynamic_weights", "dynamic_finish", "dynamic_sizes", "DYNAMIC_ROWS", "cached_flags",
-           "causal_flags",
+           "causal_flags", "block_causal_off",
            "CACHED_TERMS"]
 
 _FIELDS = (
@@ -102,10 +102,20 @@ def _causal(a, causal_off):
         a.causal, a.causal_off = 1, int(causal_off)
 
 
+def block_causal_off(causal, t0, s0, s, query_offset=0):
+    """The kernel's ``causal_off`` for a block of queries from t0 against s keys from s0:
+    under a causal mask row i sees keys j <= i + causal_off; None where there is no causal
+    mask or every key is visible. The kernel then skips the masked keys, which no later
+    step reads: the mask replaces them before the softmax, and its gradient is 0 there."""
+    off = t0 + query_offset - s0
+    return off if causal and off < s - 1 else None
+
+
 def causal_flags(causal_off) -> int:
     """The flags bits (``DCMHA_CAUSAL`` of ``csrc/dcmha_args.h``) of a causal block whose
-    row i sees its keys j <= i + causal_off (the framework wrappers' compose calls)."""
-    return 64 + int(causal_off) * 256
+    row i sees its keys j <= i + causal_off (the framework wrappers' compose calls); 0 for
+    None (no causal block)."""
+    return 0 if causal_off is None else 64 + int(causal_off) * 256
 
 
 def compose_forward(lib, x, out, st, G, R, causal_off=None):

@@ -39,12 +39,8 @@ def _block_terms(st, t0, t1, s0, s1):
 
 
 def _causal_off(pb: _Problem, t0, s0, s):
-    """The kernel's ``causal_off`` for a block at (t0, s0) with s keys: row i sees keys
-    j <= i + causal_off under a causal mask; None where every key is visible (or no mask).
-    The kernel then skips the masked keys, whose values no later step reads: the softmax's
-    mask replaces them before, and its gradient is 0 there after."""
-    off = t0 + pb.offset - s0
-    return off if pb.causal and off < s - 1 else None
+    """``cpu_kernel.block_causal_off`` of a block of this call."""
+    return cpu_kernel.block_causal_off(pb.causal, t0, s0, s, pb.offset)
 
 
 def _hidden(x5, w, out):
