@@ -14,6 +14,7 @@ stopped (and two processes can share the work: a run being trained is locked)::
     python benchmarks/quality.py main         # Transformer++ vs DCFormer++, --seeds (5)
     python benchmarks/quality.py ablation     # the paper's ten variants, 3 seeds
     python benchmarks/quality.py multiplier   # Transformer++ at 1, 1.5, 2, 3x the steps
+                                              # (--multipliers: other budgets, e.g. 0.5,0.75,1)
     python benchmarks/quality.py lr           # learning rates x both models
     python benchmarks/quality.py heads        # head dimension at a fixed width
     python benchmarks/quality.py length       # 1x and 2x the steps, both models
@@ -148,6 +149,9 @@ def parse(argv=None):
     p.add_argument("--variants", default=None, help="override the table's variants")
     p.add_argument("--learning-rates", default="1e-3,3e-3,6e-3", help="lr table")
     p.add_argument("--head-counts", default="8,4,2", help="heads table (same width)")
+    p.add_argument("--multipliers", default=",".join(f"{k:g}" for k in MULTIPLIERS),
+                   help="multiplier table: Transformer++'s step budgets, in multiples of "
+                        "--steps (budgets below 1 place a DCFormer++ that loses per step)")
     p.add_argument("--eval-points", type=int, default=6)
     p.add_argument("--val-windows", type=int, default=256)
     p.add_argument("--output", default="benchmarks/out/quality")
@@ -156,6 +160,15 @@ def parse(argv=None):
     p.add_argument("--repeats", type=int, default=7, help="speed: alternations")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
+
+
+def _multipliers(args):
+    """The multiplier table's budgets (sorted, positive), else a SystemExit naming them."""
+    ks = sorted(set(_floats(args.multipliers)))
+    if len(ks) < 2 or ks[0] <= 0:
+        raise SystemExit(f"--multipliers must be two or more positive numbers. Received: "
+                         f"{args.multipliers!r}")
+    return ks
 
 
 def base_config(args):
@@ -198,7 +211,7 @@ def table_runs(args, table):
         add(f"{args.steps} steps")
     elif table == "multiplier":
         add("dcmha 1x", variant="dcmha")
-        for k in MULTIPLIERS:
+        for k in _multipliers(args):
             add(f"mha {k:g}x", variant="mha", steps=int(round(k * args.steps)))
     elif table == "lr":
         for lr in _floats(args.learning_rates):
@@ -591,7 +604,8 @@ def report(args, table, records):
             f"\n\nDCFormer++ at {args.steps} steps ≈ Transformer++ at k·{args.steps} steps, "
             f"k = {_fmt(mm['k_mean'], '.2f')} ± {_fmt(mm['k_ci95'], '.2f')} (95% CI over "
             f"{len(mm['per_seed'])} seeds; {mm['censored']} seed(s) outside the measured "
-            f"range {MULTIPLIERS[0]:g}-{MULTIPLIERS[-1]:g}x, counted at the edge)")
+            f"range {min(_multipliers(args)):g}-{max(_multipliers(args)):g}x, counted at the "
+            "edge)")
     else:
         out["rows"] = paired_summary(by_group)
         text = render_paired(out["rows"], table)

@@ -127,3 +127,16 @@ def test_multiplier_interpolates_between_budgets(quality):
     assert got[2] == (quality.MULTIPLIERS[0], "<=")
     assert out["censored"] == 1
 
+
+
+def test_multiplier_budgets_follow_the_option(quality):
+    args = quality.parse(["multiplier", "--multipliers", "1,0.5,0.75", "--seeds", "0"] + TINY)
+    steps = sorted(cfg["steps"] for _, cfg in quality.table_runs(args, "multiplier")
+                   if cfg["variant"] == "mha")
+    assert steps == [2, 3, 4]             # 0.5, 0.75 and 1 x --steps 4, rounded
+    default = quality.parse(["multiplier", "--seeds", "0"] + TINY)
+    assert quality._multipliers(default) == list(quality.MULTIPLIERS)
+    for bad in ("1", "0,1", "-1,2"):
+        args = quality.parse(["multiplier", f"--multipliers={bad}"] + TINY)
+        with pytest.raises(SystemExit, match="--multipliers must be two or more positive"):
+            quality.table_runs(args, "multiplier")
