@@ -289,6 +289,12 @@ def build_model(cfg):
     options = dict(VARIANTS[cfg["variant"]][1])
     if options.get("attention") != "mha":
         options["implementation"] = cfg["implementation"]
+        # The study scales the composition weights' steps with the optimizer wrapper
+        # (``composition_lr_scale`` of a run is the wrapper's), so the layers keep their
+        # variables equal to their weights: the stored runs were trained that way, and the
+        # parametrisation DCMHA uses by default gives the same steps (tests/models/
+        # test_models_optimizers.py).
+        options["composition_lr_scale"] = 1.0
     window = cfg["window"] if cfg["window"] and cfg["window"] < cfg["seq_len"] else None
     return DCFormerLM(vocab_size=256, num_layers=cfg["layers"], hidden_dim=cfg["hidden_dim"],
                       num_heads=cfg["heads"], sliding_window=window, window_pattern="LG",

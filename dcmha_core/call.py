@@ -69,6 +69,18 @@ def check_positive_int(name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"`{name}` must be {what}. Received: {name}={value!r}")
 
 
+def check_composition_lr_scale(value) -> float:
+    """``value`` as a float when it is a positive finite real number (not a bool), else
+    ``ValueError("`composition_lr_scale` must be a positive number. Received: ...")``: the
+    one check of the composition weights' step scale (``DCMHA``'s parametrisation and
+    ``dcmha.optimizers``' wrapper)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating))
+            or not np.isfinite(value) or not value > 0):
+        raise ValueError("`composition_lr_scale` must be a positive number. Received: "
+                         f"composition_lr_scale={value!r}")
+    return float(value)
+
+
 def block_rows(batch: int, num_heads: int, key_length: int, block_bytes: int, *,
                smallest: int = 16, largest: Optional[int] = 1024) -> int:
     """Query rows per block: the power of two whose (B, N, rows, S) float32 block is

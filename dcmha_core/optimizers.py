@@ -8,18 +8,30 @@ at 3e-3 to 6e-3 these weights leave their start within a few steps. In the quali
 the same model without composition at the higher learning rates that suit it, and giving
 the composition weights a tenth of the learning rate removes that loss.
 
+``DCMHA`` (and ``DCFormerLM``) give them that step with any optimizer, with no wrapper: by
+default (``composition_lr_scale=0.1``) each of these variables holds its weight divided by
+0.1 and the layer multiplies it back, so an Adam-family step, about the learning rate in
+size whatever the gradient, moves the weight by a tenth of it. This module is the other
+route, for layers built with ``composition_lr_scale=1.0`` (the variables are the weights;
+``.keras`` files saved before the parametrisation load that way) and for optimizers
+whose step scales with the gradient (SGD), where the parametrisation would scale the
+weight's step by the square of the scale:
+
     optimizer = dcmha.optimizers.with_composition_learning_rate(
         keras.optimizers.AdamW(3e-3, weight_decay=0.01), scale=0.1)
     model.compile(optimizer=optimizer, loss=...)
 
 The scaled optimizer is a subclass of the given one's class, registered with Keras (as
 ``dcmha>CompositionScaled<Name>``), so a compiled model saves and loads with it once
-``dcmha`` is imported. Weight decay is applied with the unscaled learning rate.
+``dcmha`` is imported. Weight decay is applied with the unscaled learning rate (as the
+parametrisation's decay is). The wrapper refuses variables their layer already scales.
 """
 
 from __future__ import annotations
 
 import keras
+
+from dcmha.call import check_composition_lr_scale
 
 #: The variable names (the last part of ``Variable.path``) the scale applies to.
 COMPOSITION_WEIGHTS = ("dw1", "qkw", "dd")
@@ -30,13 +42,6 @@ _CLASSES = {}
 def is_composition_weight(variable) -> bool:
     """Whether ``variable`` is one of DCMHA's composition weights (dw1, qkw, dd)."""
     return variable.path.split("/")[-1] in COMPOSITION_WEIGHTS
-
-
-def _check_scale(scale):
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError("`composition_lr_scale` must be a positive number. Received: "
-                         f"composition_lr_scale={scale!r}")
-    return float(scale)
 
 
 def composition_scaled_class(base):
@@ -57,7 +62,20 @@ def composition_scaled_class(base):
 
         def __init__(self, *args, composition_lr_scale=0.1, **kwargs):
             super().__init__(*args, **kwargs)
-            self.composition_lr_scale = _check_scale(composition_lr_scale)
+            self.composition_lr_scale = check_composition_lr_scale(composition_lr_scale)
+
+        def build(self, variables):
+            scaled = [v.path for v in variables if is_composition_weight(v)
+                      and getattr(v, "_dcmha_composition_lr_scale", 1.0) != 1.0]
+            if scaled:
+                raise ValueError(
+                    "with_composition_learning_rate scales the composition weights' steps, "
+                    "and these are already scaled by their layer's parametrisation "
+                    f"(DCMHA's `composition_lr_scale`, 0.1 by default): {scaled[:3]}"
+                    f"{' ...' if len(scaled) > 3 else ''}. Train them with the plain "
+                    "optimizer, or build the layers with composition_lr_scale=1.0 to use "
+                    "this wrapper.")
+            super().build(variables)
 
         def _backend_update_step(self, grads, trainable_variables, learning_rate):
             # Every backend's collective step (torch's fused one and TensorFlow's
@@ -94,7 +112,7 @@ def with_composition_learning_rate(optimizer, scale=0.1):
             it is not modified) or a name Keras knows ("adamw", ...).
         scale: positive; 0.1 is what the quality study supports.
     """
-    scale = _check_scale(scale)
+    scale = check_composition_lr_scale(scale)
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
     if not isinstance(optimizer, keras.optimizers.Optimizer):

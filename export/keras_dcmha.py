@@ -20,7 +20,10 @@ from dcmha.spec import reference as ref
 _IGNORED_OPTIONS = {"name", "trainable", "dtype", "dropout", "implementation", "kernel_initializer",
                     "bias_initializer", "seed", "output_shape", "query_chunk_size",
                     "flash_attention", "kernel_regularizer", "bias_regularizer",
-                    "activity_regularizer", "kernel_constraint", "bias_constraint"}
+                    "activity_regularizer", "kernel_constraint", "bias_constraint",
+                    # How the variables hold the composition weights: the graph takes the
+                    # weights themselves (spec_weights()).
+                    "composition_lr_scale"}
 #: DCMHA options the graph can only take at these (MultiHeadAttention's default) values.
 _DEFAULT_ONLY = {"attention_axes": None, "use_gate": False}
 

@@ -13,7 +13,7 @@ __all__ = ["readable_value", "to_layer_device", "arange_int32", "stack", "unstac
            "eager_slice_write", "cache_writer", "step_dynamic_weights", "fused_query",
            "fused_query_projection", "call_sublayer", "device", "building_graph",
            "LOOPED_CHUNKS", "decode_step", "step_index", "prepare_export", "DEMO_JIT_COMPILE",
-           "TORCH_MODULES", "SHARD_MAP", "whole_values"]
+           "TORCH_MODULES", "SHARD_MAP", "whole_values", "scaled_weight"]
 
 
 def provided_once(keras_backend, name):
@@ -92,6 +92,14 @@ def fused_query_projection(x, kernel, bias, dw1, qkw, dd, *, C, rank, gelu_appro
     L, D) from one matrix product with [kernel | dw1 | dd] (backend tensors, not
     variables), where the backend has it, else None."""
     return None
+
+
+def scaled_weight(variable, scale):
+    """``scale`` x ``variable`` (a Keras variable) in its dtype: a weight its variable
+    holds divided by ``scale`` (``DynamicWeightProjection``'s composition weights). A
+    backend may keep the product while the variable is unchanged."""
+    from keras import ops
+    return ops.multiply(variable, ops.cast(scale, variable.dtype))
 
 
 def call_sublayer(layer, x, **kwargs):

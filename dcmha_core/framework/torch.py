@@ -7,6 +7,8 @@ weights of a step, the fused query projection, the ONNX exporter's ``rms_norm``)
 ``dcmha.backends.torch_native``, which provides them to the seam (``provide``).
 """
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -104,8 +106,9 @@ def fused_query(query_dense, projection, query):
             or query_dense.activation not in (None, keras.activations.linear)):
         return None
     slots = projection.slots
-    weights = [None if w is None else w.value for w in (
-        query_dense.kernel, query_dense.bias, projection.dw1, projection.qkw, projection.dd)]
+    weights = [None if w is None else getattr(w, "value", w) for w in (
+        query_dense.kernel, query_dense.bias,
+        *(projection.weight(n) for n in ("dw1", "qkw", "dd")))]
     out = fused_query_projection(query, *weights, C=len(slots), rank=projection.rank,
                                  gelu_approximate=projection.gelu_approximate)
     if out is None:
@@ -128,6 +131,32 @@ def fused_query_projection(x, kernel, bias, dw1, qkw, dd, *, C, rank, gelu_appro
         return None
     return native(x, kernel, bias, dw1, qkw, dd, C=C, rank=rank,
                   gelu_approximate=gelu_approximate, eps=W1_NORM_EPS)
+
+
+#: id(a variable's tensor) -> (weak reference to it, its version, the scale, the product)
+#: (``scaled_weight``); an entry goes with its tensor.
+_SCALED = {}
+
+
+def scaled_weight(variable, scale):
+    """``scale`` x the variable's tensor. Eager without a gradient to record (a decoding
+    step, ``predict``), the product is kept while the tensor is unchanged (its version:
+    ``Variable.assign`` copies in place), so that successive calls get the same tensor,
+    which the fused query projection's concatenation is kept by; else a new product."""
+    t = getattr(variable, "value", variable)
+    if not _eager(t) or torch.jit.is_tracing() or (torch.is_grad_enabled()
+                                                   and t.requires_grad):
+        return t * scale
+    key = id(t)
+    entry = _SCALED.get(key)
+    if (entry is not None and entry[0]() is t and entry[1] == t._version
+            and entry[2] == scale):
+        return entry[3]
+    with torch.no_grad():
+        out = t * scale
+    _SCALED[key] = (weakref.ref(t, lambda _, k=key: _SCALED.pop(k, None)), t._version, scale,
+                    out)
+    return out
 
 
 def call_sublayer(layer, x, **kwargs):

@@ -10,7 +10,7 @@ from keras_hub.models import Backbone
 from dcmha.hub._release import release_dir
 from dcmha.models import (DCFormerLM, RMSNorm, decoder_blocks, resolve_config,
                           serialize_arguments)
-from dcmha.models.config import init_signature
+from dcmha.models.config import init_signature, saved_arguments
 
 
 @keras.saving.register_keras_serializable(package="dcmha")
@@ -72,6 +72,10 @@ class DCFormerBackbone(Backbone):
         config["kernel_initializer"] = keras.initializers.serialize(
             keras.initializers.get(self.arguments["kernel_initializer"]))
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        return super().from_config(saved_arguments(config))
 
     def _lm_view(self):
         """The attributes `dcmha.checkpoints` assigns an official state dict to, as

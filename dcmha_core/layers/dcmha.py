@@ -25,7 +25,7 @@ from dcmha import framework
 from dcmha import ops as dops
 from dcmha import registry
 from dcmha.call import shape_of as _shape
-from dcmha.call import check_positive_int, shapes_agree
+from dcmha.call import check_composition_lr_scale, check_positive_int, shapes_agree
 from dcmha.layers import cache as cache_lib
 from dcmha.layers import weights as weights_lib
 from dcmha.layers.dynamic_weights import DynamicWeightProjection
@@ -428,6 +428,19 @@ class DCMHA(keras.layers.Layer):
         kernel_constraint, bias_constraint: for the projections, as in
             MultiHeadAttention (the composition weights have none).
         seed: int or None; seeds dropout and the initializers.
+        composition_lr_scale: the step size of the composition weights (dw1, qkw,
+            dd) relative to the other weights', under Adam-family optimizers
+            (default 0.1, which the quality study supports: benchmarks/RESULTS.md
+            "Quality study"). Each of these variables holds its weight divided by
+            this scale and the layer multiplies it back, so any such optimizer and
+            engine trains them at this fraction of its step, with no wrapper; the
+            weights, ``spec_weights()`` and the outputs do not depend on it. 1.0
+            switches it off (the variables are the weights, as in ``.keras``
+            files saved before it, which load that way); for SGD, whose step
+            scales with the gradient, use 1.0 and
+            ``dcmha.optimizers.with_composition_learning_rate``. Global-norm
+            clipping sees these variables' gradients times the scale
+            (docs/differences-from-mha.md).
 
     Call arguments:
         query: (B, T, D_q), or (B, ..., D_q) with ``attention_axes``.
@@ -480,7 +493,9 @@ class DCMHA(keras.layers.Layer):
                  kernel_initializer="glorot_uniform", bias_initializer="zeros", seed=None,
                  attention_axes=None, use_gate=False, flash_attention=None,
                  kernel_regularizer=None, bias_regularizer=None, activity_regularizer=None,
-                 kernel_constraint=None, bias_constraint=None, **kwargs):
+                 kernel_constraint=None, bias_constraint=None, composition_lr_scale=0.1,
+                 **kwargs):
+        composition_lr_scale = check_composition_lr_scale(composition_lr_scale)
         flags = dict(pre_compose=pre_compose, post_compose=post_compose, query_wise=query_wise,
                      key_wise=key_wise, dynamic_projection=dynamic_projection,
                      dynamic_gating=dynamic_gating, static_compose=static_compose,
@@ -554,6 +569,7 @@ class DCMHA(keras.layers.Layer):
         self.kernel_constraint = keras.constraints.get(kernel_constraint)
         self.bias_constraint = keras.constraints.get(bias_constraint)
         self.seed = None if seed is None else int(seed)
+        self.composition_lr_scale = composition_lr_scale
         self.seed_generator = (keras.random.SeedGenerator(seed, name="dropout_seed")
                                if self.dropout > 0 else None)
         self._slots = spec.slots(c)
@@ -644,7 +660,8 @@ class DCMHA(keras.layers.Layer):
                 dynamic_hidden_dim=c.dynamic_hidden_dim,
                 dynamic_projection=c.dynamic_projection, dynamic_gating=c.dynamic_gating,
                 gelu_approximate=c.gelu_approximate, seed=seed(20 + 10 * i),
-                dtype=self.dtype_policy, name=name)
+                composition_lr_scale=self.composition_lr_scale, dtype=self.dtype_policy,
+                name=name)
             layer.build((None, None, width))
             return layer
 
@@ -1053,7 +1070,8 @@ class DCMHA(keras.layers.Layer):
                                             "spec_weights()")
         values = {n: v.value for n, v in self._spec_variables().items()}
         values.update({f"{n}_kernel": layer.kernel for n, layer in self._projections().items()})
-        return {n: np.asarray(keras.ops.convert_to_numpy(v)) for n, v in values.items()}
+        out = {n: np.asarray(keras.ops.convert_to_numpy(v)) for n, v in values.items()}
+        return weights_lib.composition_weights(out, self.composition_lr_scale)
 
     def load_spec_weights(self, weights):
         """Set the weights from ``{canonical name: array}`` (all of them, or none).
@@ -1078,6 +1096,8 @@ class DCMHA(keras.layers.Layer):
                                             "load_spec_weights()")
         variables = self._spec_variables()
         weights = weights_lib.checked_spec_weights(self.name, weights, variables)
+        weights = weights_lib.composition_weights(weights, self.composition_lr_scale,
+                                                 divide=True)
         for n, v in variables.items():
             v.assign(weights[n].astype(v.dtype))
         for layer in self._projections().values():
@@ -1172,7 +1192,14 @@ class DCMHA(keras.layers.Layer):
             "activity_regularizer": keras.regularizers.serialize(self._activity_regularizer),
             "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
             "bias_constraint": keras.constraints.serialize(self.bias_constraint),
+            "composition_lr_scale": self.composition_lr_scale,
         }
+
+    @classmethod
+    def from_config(cls, config):
+        # A configuration saved before `composition_lr_scale` existed: its composition
+        # variables are the weights themselves.
+        return super().from_config({"composition_lr_scale": 1.0, **config})
 
     @property
     def spec_config(self):

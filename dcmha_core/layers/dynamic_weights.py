@@ -7,7 +7,9 @@ import math
 import keras
 from keras import ops
 
+from dcmha import framework
 from dcmha import ops as dops
+from dcmha.call import check_composition_lr_scale
 from dcmha.spec import reference as spec
 
 
@@ -29,6 +31,12 @@ class DynamicWeightProjection(keras.layers.Layer):
         dynamic_gating: create dd (D, G, C*M).
         gelu_approximate: tanh GELU (True) or exact erf GELU.
         seed: int or None, seeds the initializers (N(0, sigma) as in the spec).
+        composition_lr_scale: the parametrisation of dw1, qkw and dd: each variable
+            holds its weight divided by this scale and the call multiplies it back,
+            so that Adam-family optimizers, whose steps have about the learning
+            rate's size whatever the gradient's, move the weight by this fraction of
+            their step. 1.0: the variables are the weights. The weights (and the
+            forward numbers) do not depend on it.
 
     Call arguments:
         inputs: (B, L, D).
@@ -40,7 +48,8 @@ class DynamicWeightProjection(keras.layers.Layer):
 
     def __init__(self, slots, num_heads, num_groups=1, rank=2, dynamic_hidden_dim=None,
                  dynamic_projection=True, dynamic_gating=True, gelu_approximate=True,
-                 seed=None, **kwargs):
+                 seed=None, composition_lr_scale=1.0, **kwargs):
+        composition_lr_scale = check_composition_lr_scale(composition_lr_scale)
         super().__init__(**kwargs)
         # Per-position weights: it takes the inputs' Keras masks and passes none on.
         self.supports_masking = True
@@ -63,6 +72,7 @@ class DynamicWeightProjection(keras.layers.Layer):
         self.dynamic_gating = bool(dynamic_gating)
         self.gelu_approximate = bool(gelu_approximate)
         self.seed = seed
+        self.composition_lr_scale = composition_lr_scale
 
     def build(self, input_shape):
         D = input_shape[-1]
@@ -72,34 +82,47 @@ class DynamicWeightProjection(keras.layers.Layer):
         G, M, R, K, C = self._cfg.G, self._cfg.M, self._cfg.R, self._cfg.K, len(self.slots)
         self._input_dim = D
         seed = (lambda i: None) if self.seed is None else (lambda i: self.seed + i)
-        normal = keras.initializers.RandomNormal
+        scale = self.composition_lr_scale
+
+        def normal(stddev, i):
+            # The variable holds weight / scale: the spec's N(0, stddev) weight.
+            return keras.initializers.RandomNormal(stddev=stddev / scale, seed=seed(i))
+
+        def variable(name, shape, initializer):
+            v = self.add_weight(name=name, shape=shape, autocast=False,
+                                initializer=initializer)
+            v._dcmha_composition_lr_scale = scale      # read by dcmha.optimizers
+            return v
+
         self.dw1 = self.qkw = self.dd = None
         if self.dynamic_projection:
-            self.dw1 = self.add_weight(
-                name="dw1", shape=(D, G, C, K), autocast=False,
-                initializer=normal(stddev=math.sqrt(2.0 / (D + K)), seed=seed(0)))
-            self.qkw = self.add_weight(
-                name="qkw", shape=(G, C, K, 2 * R, M), autocast=False,
-                initializer=normal(stddev=math.sqrt(1.0 / K) * 2.0 / (M + R) * 0.01,
-                                   seed=seed(1)))
+            self.dw1 = variable("dw1", (D, G, C, K), normal(math.sqrt(2.0 / (D + K)), 0))
+            self.qkw = variable("qkw", (G, C, K, 2 * R, M),
+                                normal(math.sqrt(1.0 / K) * 2.0 / (M + R) * 0.01, 1))
         if self.dynamic_gating:
-            self.dd = self.add_weight(
-                name="dd", shape=(D, G, C * M), autocast=False,
-                initializer=normal(stddev=math.sqrt(2.0 / (D + M)) * 0.005, seed=seed(2)))
+            self.dd = variable("dd", (D, G, C * M), normal(math.sqrt(2.0 / (D + M)) * 0.005, 2))
+
+    def weight(self, name):
+        """The weight ``name`` ("dw1", "qkw" or "dd") as the math uses it: its variable
+        times ``composition_lr_scale`` (the variable itself at 1.0); None if absent."""
+        v = getattr(self, name)
+        if v is None or self.composition_lr_scale == 1.0:
+            return v
+        return framework.scaled_weight(v, self.composition_lr_scale)
 
     def call(self, inputs, slots=None):
+        dw1, qkw, dd = (self.weight(n) for n in ("dw1", "qkw", "dd"))
         if slots is None or tuple(slots) == self.slots:
-            slots, dw1, qkw, dd = self.slots, self.dw1, self.qkw, self.dd
+            slots = self.slots
         else:
             slots = tuple(slots)
             idx = [self.slots.index(s) for s in slots]
-            dw1 = qkw = dd = None
             if self.dynamic_projection:
-                dw1 = ops.take(self.dw1, idx, axis=2)
-                qkw = ops.take(self.qkw, idx, axis=1)
+                dw1 = ops.take(dw1, idx, axis=2)
+                qkw = ops.take(qkw, idx, axis=1)
             if self.dynamic_gating:
                 D, G, CM = self.dd.shape
-                dd4 = ops.reshape(self.dd, (D, G, len(self.slots), CM // len(self.slots)))
+                dd4 = ops.reshape(dd, (D, G, len(self.slots), CM // len(self.slots)))
                 dd = ops.reshape(ops.take(dd4, idx, axis=2), (D, G, -1))
         if len(inputs.shape) != 3 or inputs.shape[-1] not in (None, self._input_dim):
             raise ValueError("The input of DynamicWeightProjection must have shape (B, L, D) "
@@ -130,4 +153,5 @@ class DynamicWeightProjection(keras.layers.Layer):
                 "dynamic_hidden_dim": self.dynamic_hidden_dim,
                 "dynamic_projection": self.dynamic_projection,
                 "dynamic_gating": self.dynamic_gating,
-                "gelu_approximate": self.gelu_approximate, "seed": self.seed}
+                "gelu_approximate": self.gelu_approximate, "seed": self.seed,
+                "composition_lr_scale": self.composition_lr_scale}

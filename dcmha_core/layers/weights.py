@@ -36,6 +36,24 @@ def fresh_initializer(initializer, *, offset=0, seed=None):
 _DYNAMIC = ("dw1", "qkw", "dd")
 
 
+def composition_weights(weights, scale, *, divide=False):
+    """``weights`` ({canonical name: NumPy array}) with the composition weights (dw1, qkw,
+    dd, of any side) multiplied by ``scale`` (divided with ``divide``), in their own
+    float dtype: a layer's variables -> its weights under ``composition_lr_scale``
+    (``DynamicWeightProjection``), and back."""
+    out = dict(weights)
+    if scale == 1.0:
+        return out
+    for n, w in weights.items():
+        if n.rsplit("_", 1)[-1] in _DYNAMIC:
+            w = np.asarray(w)
+            # Into variables: in float64 (given weights may be float16), rounded once on
+            # assignment. Out of them: in the variable's dtype, as the layer multiplies.
+            out[n] = (w.astype(np.float64) / scale if divide else
+                      w * np.asarray(scale, w.dtype))
+    return out
+
+
 def canonical_variables(projections, *, use_bias, static_mixes, norm_scales, dynamic):
     """{canonical spec name: variable} of a DCMHA layer.
 

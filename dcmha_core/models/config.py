@@ -44,6 +44,11 @@ def serialize_arguments(arguments):
             else keras.saving.serialize_keras_object(v) for k, v in arguments.items()}
 
 
+#: DCMHA's argument defaults (those a DCFormer model stores even when not given).
+_DCMHA_DEFAULTS = {k: p.default for k, p in inspect.signature(DCMHA.__init__).parameters.items()
+                   if p.default is not inspect.Parameter.empty}
+
+
 def _is_int(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, np.integer))
 
@@ -108,6 +113,9 @@ def resolve_config(vocab_size, num_layers, hidden_dim, num_heads, intermediate_d
     # The parameters, before anything else is bound: every argument by name.
     arguments = {k: v for k, v in locals().items() if k != "dcmha_options"}
     arguments.update(dcmha_options)
+    # Always stored, so that a configuration saved before the parametrisation existed (no
+    # such key) is told apart: `from_config` reads it as 1.0 (see `saved_arguments`).
+    arguments.setdefault("composition_lr_scale", _DCMHA_DEFAULTS["composition_lr_scale"])
     for name, value in (("vocab_size", vocab_size), ("num_layers", num_layers),
                         ("hidden_dim", hidden_dim), ("num_heads", num_heads),
                         ("num_groups", num_groups)):
@@ -177,6 +185,13 @@ def resolve_config(vocab_size, num_layers, hidden_dim, num_heads, intermediate_d
                 hidden_dim=int(hidden_dim), num_heads=int(num_heads), head_dim=int(d),
                 intermediate_dim=int(intermediate), tie_embeddings=bool(tie_embeddings),
                 dcmha_layers=composing, layer_options=layer_options, arguments=arguments)
+
+
+def saved_arguments(config):
+    """A saved DCFormer configuration as the models' ``from_config`` reads it: without
+    ``composition_lr_scale`` (saved before DCMHA's parametrisation of the composition
+    weights) it is 1.0, the variables being the weights themselves."""
+    return {"composition_lr_scale": 1.0, **config}
 
 
 #: `resolve_config`'s named arguments (all but the DCMHA options), in order.

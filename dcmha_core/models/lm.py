@@ -18,7 +18,7 @@ from dcmha import checkpoints
 from dcmha.layers import readable_value
 from dcmha.models.blocks import RMSNorm, decoder_blocks, fresh_initializer
 from dcmha.models.config import (NAMED_ARGUMENTS, init_signature, resolve_config,
-                                 serialize_arguments)
+                                 saved_arguments, serialize_arguments)
 from dcmha.models.generate import check_token_range, generate
 from dcmha.models.presets import PRESETS
 
@@ -62,8 +62,12 @@ class DCFormerLM(keras.Model):
         **dcmha_options: further `DCMHA` arguments given to every attention layer
             (rank, dynamic_hidden_dim, pre_compose, post_compose, query_wise,
             key_wise, dynamic_projection, dynamic_gating, static_compose,
-            gelu_approximate, query_chunk_size, dropout, implementation, ...),
-            plus the Keras `name` / `dtype` / `trainable`.
+            gelu_approximate, query_chunk_size, dropout, implementation,
+            composition_lr_scale, ...), plus the Keras `name` / `dtype` /
+            `trainable`. ``composition_lr_scale`` (default 0.1) trains the
+            composition weights at that fraction of an Adam-family optimizer's
+            step with no wrapper (see `DCMHA`); it is always stored in the config,
+            and a config saved without it (before it existed) loads with 1.0.
 
     Call arguments:
         token_ids: int (B, T), each in [0, vocab_size): outside it a ValueError
@@ -124,10 +128,10 @@ class DCFormerLM(keras.Model):
         ==================  ======  ====  ==  ==  ======  ========  =============  =============
         name                layers  D     N   d   vocab   window    DCFormer       Transformer++
         ==================  ======  ====  ==  ==  ======  ========  =============  =============
-        dcformer_tiny       4       128   4   32  256     64, LG    914,560        869,504
+        dcformer_tiny       4       128   8   16  256     64, LG    967,808        869,504
         dcformer_405m       24      1024  16  64  50432   256, LG   419,873,792    411,616,256
         dcformer_2.8b       32      2560  32  80  50432   256, LG   2,850,463,232  2,795,937,280
-        dcformer_post_tiny  4       128   4   32  256     64, LG    892,032        869,504
+        dcformer_post_tiny  4       128   8   16  256     64, LG    918,656        869,504
         dcformer_post_405m  24      1024  16  64  50432   256, LG   415,745,024    411,616,256
         ==================  ======  ====  ==  ==  ======  ========  =============  =============
 
@@ -135,8 +139,10 @@ class DCFormerLM(keras.Model):
         2816); its 103M embedding + output parameters are included above.
         dcformer_2.8b follows the released DCFormer-2.8B configuration (QK-norm,
         SwiGLU 6912, RoPE base 10000). DCMHA adds dw1 + qkw + dd per layer:
-        11,264 (tiny), 344,064 (405m) and 1,703,936 (2.8b): about 2% of the two
-        large models, 5% of the tiny one. The ``dcformer_post_*`` presets compose
+        24,576 (tiny), 344,064 (405m) and 1,703,936 (2.8b): about 2% of the two
+        large models, 11% of the tiny one. The tiny presets have heads of 16, where
+        the quality study measures DCMHA's gain (benchmarks/RESULTS.md); the larger
+        ones keep the paper's shapes. The ``dcformer_post_*`` presets compose
         the attention probabilities only (``pre_compose=False``,
         ``post_compose=True``: two of the four dynamic-weight slots), which halves
         what DCMHA adds; with ``dcmha_layers`` (e.g. 2: every other layer) only the
@@ -167,7 +173,7 @@ class DCFormerLM(keras.Model):
 
     @classmethod
     def from_config(cls, config):
-        return cls(**config)
+        return cls(**saved_arguments(config))
 
     # ---- forward -------------------------------------------------------
     def build(self, input_shape=None):

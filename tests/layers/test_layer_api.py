@@ -290,22 +290,33 @@ def test_variable_names():
     assert sorted(cross.spec_weights()) == sorted(reference.param_shapes(cross.spec_config, 16, 12))
 
 
+def assert_spec_weights_equal(layer, want):
+    """``layer.spec_weights()`` equal to ``want``: exactly, but for the composition weights
+    under the layer's ``composition_lr_scale`` (held divided by it: one rounding into the
+    variable, one out of it)."""
+    for n, w in layer.spec_weights().items():
+        assert w.dtype == np.float32
+        scaled = layer.composition_lr_scale != 1.0 and n.rsplit("_", 1)[-1] in (
+            "dw1", "qkw", "dd")
+        np.testing.assert_allclose(w, want[n], atol=0, err_msg=n,
+                                   rtol=np.finfo(np.float32).eps if scaled else 0)
+
+
 @pytest.mark.parametrize("kwargs, cross", [
     (dict(num_heads=4, key_dim=8, static_compose=True, qk_norm=True, use_bias=True,
           num_key_value_heads=2, value_dim=6), False),
     (dict(num_heads=4, key_dim=8, cross_attention=True, key_wise=False), True),
     (dict(num_heads=4, key_dim=8, dynamic_projection=False, dynamic_gating=False), False),
 ])
-def test_spec_weights_round_trip(reference_case, kwargs, cross):
+@pytest.mark.parametrize("scale", [0.1, 1.0])
+def test_spec_weights_round_trip(reference_case, kwargs, cross, scale):
     case = reference_case(kwargs, D_kv=12 if cross else None, cross=cross, D_out=9)
-    layer = DCMHA(**kwargs, output_shape=9)
+    layer = DCMHA(**kwargs, output_shape=9, composition_lr_scale=scale)
     layer.load_spec_weights(case["params"])          # builds the layer from the shapes
     assert layer.built
     assert {n: w.shape for n, w in layer.spec_weights().items()} == reference.param_shapes(
         case["cfg"], 16, 12 if cross else 16, 9)
-    for n, w in layer.spec_weights().items():
-        assert w.dtype == np.float32
-        np.testing.assert_array_equal(w, case["params"][n])
+    assert_spec_weights_equal(layer, case["params"])
 
 
 def test_load_spec_weights_errors_and_atomicity(reference_case):
@@ -339,8 +350,7 @@ def test_load_spec_weights_errors_and_atomicity(reference_case):
         np.testing.assert_array_equal(w, before[n])
 
     layer.load_spec_weights(good)
-    for n, w in layer.spec_weights().items():
-        np.testing.assert_array_equal(w, good[n])
+    assert_spec_weights_equal(layer, good)
 
 
 def test_spec_weights_needs_a_built_layer():

@@ -34,6 +34,8 @@ def test_functional_model_of_0_1_0_loads(tmp_path):
     layer = model.get_layer("self_attention")
     assert isinstance(layer, dcmha.DCMHA)
     assert layer.query_dense.kernel.path == "self_attention/query/kernel"
+    # Saved before the composition weights' parametrisation: its variables are the weights.
+    assert layer.composition_lr_scale == 1.0
     # Saved again, the file has the new layout and still computes the same.
     model.save(tmp_path / "again.keras")
     again = keras.saving.load_model(tmp_path / "again.keras")
@@ -56,6 +58,7 @@ def test_weights_file_of_0_1_0_loads(tmp_path):
 
 def test_dcformer_lm_of_0_1_0_loads():
     lm = keras.saving.load_model(HERE / "dcformer_lm_0_1_0.keras")
+    assert [b.attention.composition_lr_scale for b in lm.blocks] == [1.0] * len(lm.blocks)
     np.testing.assert_allclose(lm.predict(EXPECTED["lm_tokens"], verbose=0), EXPECTED["lm_logits"],
                                **TOL)
 

@@ -20,17 +20,20 @@ def np_(x):
 
 
 def _layer(seed, dropout=0.5, weights=None):
+    """A built layer; ``weights``: another layer's variables (``get_weights()``), copied
+    exactly (``spec_weights()`` would round the composition weights held under
+    ``composition_lr_scale`` once more)."""
     layer = DCMHA(num_heads=4, key_dim=8, dropout=dropout, seed=seed)
     layer.build((2, 6, 16), (2, 6, 16))
     if weights is not None:
-        layer.load_spec_weights(weights)
+        layer.set_weights(weights)
     return layer
 
 
 def test_dropout_is_seeded_and_only_in_training(rng, call_layer):
     x = rng.standard_normal((2, 6, 16)).astype("float32")
     a = _layer(seed=7)
-    w = a.spec_weights()
+    w = a.get_weights()
     b = _layer(seed=7, weights=w)
     c = _layer(seed=8, weights=w)
     plain = _layer(seed=7, dropout=0.0, weights=w)

@@ -206,7 +206,7 @@ def test_count_parameters_matches_built_model(options):
 
 def test_presets():
     # The figures documented in DCFormerLM.from_preset.
-    assert count_parameters(**PRESETS["dcformer_tiny"]) == 914_560
+    assert count_parameters(**PRESETS["dcformer_tiny"]) == 967_808
     assert count_parameters(**PRESETS["dcformer_405m"]) == 419_873_792
     assert count_parameters(**PRESETS["dcformer_405m"], attention="mha") == 411_616_256
     assert count_parameters(**PRESETS["dcformer_2.8b"]) == 2_850_463_232
