@@ -50,12 +50,13 @@ STUDY = (
     "  8 heads of 8, lr 3e-3 (5 seeds): -0.089 [-0.116, -0.062], 5/5; = Transformer++ at "
     "1.25x [1.18, 1.32]\n"
     "  8 heads of 8 at Transformer++'s best lr (6e-3), composition weights at 0.1x "
-    "(dcmha.optimizers): -0.041 [-0.070, -0.013], 5/5; = Transformer++ at 1.14x [1.05, 1.23]\n"
+    "(DCMHA's default): -0.041 [-0.070, -0.013], 5/5; = Transformer++ at 1.14x [1.05, 1.23]\n"
     "  2 heads of 32: +0.028 [-0.022, +0.078], 0/3; at lr 6e-3 without the 0.1x: +0.079 "
     "(4 heads of 16)\n"
-    "  4 x 256, 16 heads of 16, lr 6e-3, composition weights at 0.1x (5 seeds): +0.059 "
-    "[-0.025, +0.144], 0/5; at 1x: +0.460 [+0.429, +0.490], 0/5; DCMHA in every 2nd layer "
-    "only: +0.008 [-0.015, +0.031], 1/5; every 4th: +0.022 [-0.014, +0.058], 2/5")
+    "  4 x 256, 16 heads of 16, composition weights at 0.1x (5 seeds): lr 3e-3 -0.019 "
+    "[-0.054, +0.017], 4/5; lr 6e-3 (too high here for both models) +0.059 [-0.025, +0.144], "
+    "0/5, at 1x +0.460; Transformer++ is better still at 1.5e-3, where DCFormer++ has not "
+    "run yet")
 DEFAULTS = dict(steps=100, seq_len=64, batch_size=16, max_bytes=2_000_000, val_fraction=0.1,
                 val_windows=64, eval_points=6, learning_rate=3e-3, seed=0,
                 sample_prompt="def ", sample_length=120)
