@@ -198,8 +198,20 @@ class _KerasAdapter(Adapter):
             else:
                 out["output"] = self._np(self._call(layer, q, value, key, **kwargs))
         if case.kind == "gradients":
-            out.update(self._gradients(case, layer))
+            out.update(self._weight_gradients(layer, self._gradients(case, layer)))
         return {n: out[n] for n in wanted if n in out}
+
+    @staticmethod
+    def _weight_gradients(layer, grads):
+        """``grads`` ({"grad/<name>": array}, of the layer's variables) as the gradients of
+        its weights: the composition weights are held divided by the layer's
+        ``composition_lr_scale`` (``DynamicWeightProjection``), so a weight's gradient is
+        its variable's divided by that scale."""
+        from dcmha.layers.weights import composition_weights
+        bare = {n[len("grad/"):]: g for n, g in grads.items()}
+        scaled = composition_weights(bare, layer.composition_lr_scale, divide=True)
+        return {f"grad/{n}": np.asarray(g, dtype=np.asarray(bare[n]).dtype)
+                for n, g in scaled.items()}
 
     def _decode(self, case):
         layer = self._layer(case)
