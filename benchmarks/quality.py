@@ -35,6 +35,13 @@ stopped (and two processes can share the work: a run being trained is locked)::
 ``--report-only`` prints a table from what is stored without training. Each table
 writes ``OUTPUT/<table>.json``, ``.md`` and ``.png`` (loss against steps, mean and
 the band of one standard deviation over seeds).
+
+The study takes CPU hours: run it in the background at low priority. Where Linux
+groups processes by session for scheduling (``/proc/sys/kernel/sched_autogroup_enabled``
+is 1), ``nice`` ranks a process only against its own session's: a study started with
+``setsid`` (or from another terminal) takes an equal share of the CPU beside a test run
+or a benchmark whatever its nice value. Lower its group as well:
+``echo 19 > /proc/<pid>/autogroup``.
 """
 
 from __future__ import annotations
