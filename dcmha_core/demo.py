@@ -56,7 +56,7 @@ STUDY = (
     "  4 x 256, 16 heads of 16, composition weights at 0.1x (5 seeds): lr 3e-3 -0.019 "
     "[-0.054, +0.017], 4/5; lr 6e-3 (too high here for both models) +0.059 [-0.025, +0.144], "
     "0/5, at 1x +0.460; Transformer++ is better still at 1.5e-3, where DCFormer++ is ahead "
-    "in the two seeds run so far (-0.035, -0.053)")
+    "in the three seeds run so far: -0.052 [-0.093, -0.011], 3/3")
 DEFAULTS = dict(steps=100, seq_len=64, batch_size=16, max_bytes=2_000_000, val_fraction=0.1,
                 val_windows=64, eval_points=6, learning_rate=3e-3, seed=0,
                 sample_prompt="def ", sample_length=120)
