@@ -32,9 +32,8 @@ from __future__ import annotations
 import keras
 
 from dcmha.call import check_composition_lr_scale
-
-#: The variable names (the last part of ``Variable.path``) the scale applies to.
-COMPOSITION_WEIGHTS = ("dw1", "qkw", "dd")
+# The variable names (the last part of ``Variable.path``) the scale applies to.
+from dcmha.layers.weights import COMPOSITION_WEIGHTS
 
 _CLASSES = {}
 

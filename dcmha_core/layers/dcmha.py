@@ -1195,11 +1195,16 @@ class DCMHA(keras.layers.Layer):
             "composition_lr_scale": self.composition_lr_scale,
         }
 
+    @staticmethod
+    def saved_config(config):
+        """A saved configuration (of this layer, or of a model passing DCMHA options on) as
+        it loads: without ``composition_lr_scale`` (saved before it existed) it is 1.0, the
+        composition variables being the weights themselves."""
+        return {"composition_lr_scale": 1.0, **config}
+
     @classmethod
     def from_config(cls, config):
-        # A configuration saved before `composition_lr_scale` existed: its composition
-        # variables are the weights themselves.
-        return super().from_config({"composition_lr_scale": 1.0, **config})
+        return super().from_config(cls.saved_config(config))
 
     @property
     def spec_config(self):

@@ -32,8 +32,15 @@ def fresh_initializer(initializer, *, offset=0, seed=None):
     return initializer.__class__.from_config(config)
 
 
-#: The weights of each ``DynamicWeightProjection``, by their canonical names.
-_DYNAMIC = ("dw1", "qkw", "dd")
+#: The weights of each ``DynamicWeightProjection`` (the composition weights), by their
+#: canonical names (prefixed "query_" / "key_" with separate sides).
+COMPOSITION_WEIGHTS = ("dw1", "qkw", "dd")
+
+
+def is_composition_name(name) -> bool:
+    """Whether the canonical weight name ``name`` is a composition weight's (dw1, qkw, dd,
+    of either side)."""
+    return name.rsplit("_", 1)[-1] in COMPOSITION_WEIGHTS
 
 
 def composition_weights(weights, scale, *, divide=False):
@@ -45,7 +52,7 @@ def composition_weights(weights, scale, *, divide=False):
     if scale == 1.0:
         return out
     for n, w in weights.items():
-        if n.rsplit("_", 1)[-1] in _DYNAMIC:
+        if is_composition_name(n):
             w = np.asarray(w)
             # Into variables: in float64 (given weights may be float16), rounded once on
             # assignment. Out of them: in the variable's dtype, as the layer multiplies.
@@ -70,7 +77,7 @@ def canonical_variables(projections, *, use_bias, static_mixes, norm_scales, dyn
     out.update(norm_scales)
     for prefix, layer in dynamic.items():
         if layer is not None:
-            out.update({prefix + n: getattr(layer, n) for n in _DYNAMIC
+            out.update({prefix + n: getattr(layer, n) for n in COMPOSITION_WEIGHTS
                         if getattr(layer, n) is not None})
     return out
 

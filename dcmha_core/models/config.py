@@ -44,9 +44,9 @@ def serialize_arguments(arguments):
             else keras.saving.serialize_keras_object(v) for k, v in arguments.items()}
 
 
-#: DCMHA's argument defaults (those a DCFormer model stores even when not given).
-_DCMHA_DEFAULTS = {k: p.default for k, p in inspect.signature(DCMHA.__init__).parameters.items()
-                   if p.default is not inspect.Parameter.empty}
+#: DCMHA's default ``composition_lr_scale``, which a DCFormer model stores even when not given.
+_COMPOSITION_LR_SCALE = inspect.signature(DCMHA.__init__).parameters[
+    "composition_lr_scale"].default
 
 
 def _is_int(value) -> bool:
@@ -115,7 +115,7 @@ def resolve_config(vocab_size, num_layers, hidden_dim, num_heads, intermediate_d
     arguments.update(dcmha_options)
     # Always stored, so that a configuration saved before the parametrisation existed (no
     # such key) is told apart: `from_config` reads it as 1.0 (see `saved_arguments`).
-    arguments.setdefault("composition_lr_scale", _DCMHA_DEFAULTS["composition_lr_scale"])
+    arguments.setdefault("composition_lr_scale", _COMPOSITION_LR_SCALE)
     for name, value in (("vocab_size", vocab_size), ("num_layers", num_layers),
                         ("hidden_dim", hidden_dim), ("num_heads", num_heads),
                         ("num_groups", num_groups)):
@@ -188,10 +188,9 @@ def resolve_config(vocab_size, num_layers, hidden_dim, num_heads, intermediate_d
 
 
 def saved_arguments(config):
-    """A saved DCFormer configuration as the models' ``from_config`` reads it: without
-    ``composition_lr_scale`` (saved before DCMHA's parametrisation of the composition
-    weights) it is 1.0, the variables being the weights themselves."""
-    return {"composition_lr_scale": 1.0, **config}
+    """A saved DCFormer configuration as the models' ``from_config`` reads it: its DCMHA
+    options as ``DCMHA.from_config`` reads them (``DCMHA.saved_config``)."""
+    return DCMHA.saved_config(config)
 
 
 #: `resolve_config`'s named arguments (all but the DCMHA options), in order.

@@ -13,6 +13,7 @@ from keras import ops
 
 import dcmha
 from dcmha.layers import DCMHA, DynamicWeightProjection
+from dcmha.layers.weights import is_composition_name
 from dcmha.spec import reference
 
 #: The implementation names the layer and dcmha.ops accept, as their error lists them.
@@ -296,8 +297,7 @@ def assert_spec_weights_equal(layer, want):
     variable, one out of it)."""
     for n, w in layer.spec_weights().items():
         assert w.dtype == np.float32
-        scaled = layer.composition_lr_scale != 1.0 and n.rsplit("_", 1)[-1] in (
-            "dw1", "qkw", "dd")
+        scaled = layer.composition_lr_scale != 1.0 and is_composition_name(n)
         np.testing.assert_allclose(w, want[n], atol=0, err_msg=n,
                                    rtol=np.finfo(np.float32).eps if scaled else 0)
 
