@@ -12,9 +12,12 @@ reused by every table that needs them, so an interrupted study resumes where it
 stopped (and two processes can share the work: a run being trained is locked)::
 
     python benchmarks/quality.py main         # Transformer++ vs DCFormer++, --seeds (5)
-    python benchmarks/quality.py ablation     # the paper's ten variants, 3 seeds
+    python benchmarks/quality.py ablation     # the paper's ten variants, 3 seeds, and its
+                                              # orderings (post > pre, ...) as paired CIs
     python benchmarks/quality.py multiplier   # Transformer++ at 1, 1.5, 2, 3x the steps
-                                              # (--multipliers: other budgets, e.g. 0.5,0.75,1)
+                                              # (--multipliers: other budgets, e.g. 0.5,0.75,1);
+                                              # per CPU second too where `speed` has run with
+                                              # the same model options and --output
     python benchmarks/quality.py lr           # learning rates x both models
     python benchmarks/quality.py heads        # head dimension at a fixed width
     python benchmarks/quality.py length       # 1x and 2x the steps, both models
@@ -81,6 +84,11 @@ PLACEMENT = ("mha", "dcmha") + PLACED
 PAPER_405M_PPL = dict(mha=11.68, dcmha=10.83, pre_only=11.54, post_only=11.05,
                       query_wise_only=10.89, key_wise_only=10.91, projection_only=10.95,
                       gating_only=11.31, rank1=10.87)
+#: The paper's orderings the ablation tests (its better variant first, by the 405M
+#: perplexities above): post- over pre-composition, query-wise over key-wise, dynamic
+#: projection over gating, rank 2 over rank 1.
+ORDERINGS = (("post_only", "pre_only"), ("query_wise_only", "key_wise_only"),
+             ("projection_only", "gating_only"), ("dcmha", "rank1"))
 TABLES = ("main", "ablation", "placement", "multiplier", "lr", "heads", "length", "recipe",
           "composition_lr", "gradients", "checks", "speed")
 #: Tables that train stored runs (the others run in-process and store only their report).
@@ -460,6 +468,17 @@ def mean_sd_ci(values, level=0.95):
     return float(v.mean()), sd, half
 
 
+def paired_difference(recs, variant, baseline):
+    """``variant`` minus ``baseline`` in final loss over the seeds both have run (paired):
+    (mean, sd, 95% CI half-width, wins = seeds where ``variant`` is lower, seeds paired)."""
+    base = {r["config"]["seed"]: r["final_val_loss"] for r in recs
+            if r["config"]["variant"] == baseline}
+    diffs = [r["final_val_loss"] - base[r["config"]["seed"]] for r in recs
+             if r["config"]["variant"] == variant and r["config"]["seed"] in base]
+    m, sd, ci = mean_sd_ci(diffs)
+    return m, sd, ci, int(sum(d < 0 for d in diffs)), len(diffs)
+
+
 def paired_summary(records_by_group):
     """Per group and variant: final loss mean ± sd, the paired difference to MHA at the
     same seed (mean, 95% CI, wins k/S), seconds per step."""
@@ -467,25 +486,38 @@ def paired_summary(records_by_group):
 
     rows = []
     for group, recs in records_by_group.items():
-        mha = {r["config"]["seed"]: r["final_val_loss"] for r in recs
-               if r["config"]["variant"] == "mha"}
         for variant in dict.fromkeys(r["config"]["variant"] for r in recs):
             mine = [r for r in recs if r["config"]["variant"] == variant]
             losses = [r["final_val_loss"] for r in mine]
             m, sd, _ = mean_sd_ci(losses)
-            diffs = [r["final_val_loss"] - mha[r["config"]["seed"]] for r in mine
-                     if r["config"]["seed"] in mha]
-            dm, dsd, dci = mean_sd_ci(diffs) if variant != "mha" else (None, None, None)
+            dm = dsd = dci = wins = None
+            paired = 0
+            if variant != "mha":
+                dm, dsd, dci, wins, paired = paired_difference(recs, variant, "mha")
             sps = [r["seconds_per_step"] for r in mine if r.get("seconds_per_step")]
             rows.append(dict(group=group, variant=variant, label=VARIANTS[variant][0],
                              seeds=sorted(r["config"]["seed"] for r in mine),
                              loss_mean=m, loss_sd=sd, diff_mean=dm, diff_sd=dsd,
-                             diff_ci95=dci,
-                             wins=None if variant == "mha" else int(sum(d < 0 for d in diffs)),
-                             paired=len(diffs),
+                             diff_ci95=dci, wins=wins, paired=paired,
                              seconds_per_step=float(np.median(sps)) if sps else None,
                              parameters=mine[0]["parameters"]))
     return rows
+
+
+def ordering_summary(records_by_group):
+    """The paper's orderings among the ablation's variants (``ORDERINGS``), each as the
+    paired difference of the paper's better variant minus the other: negative = the
+    paper's ordering holds here; its CI says whether that is resolved."""
+    recs = [r for rs in records_by_group.values() for r in rs]
+    have = {r["config"]["variant"] for r in recs}
+    out = []
+    for better, worse in ORDERINGS:
+        if better in have and worse in have:
+            m, sd, ci, wins, n = paired_difference(recs, better, worse)
+            out.append(dict(better=better, worse=worse, diff_mean=m, diff_sd=sd,
+                            diff_ci95=ci, wins=wins, paired=n,
+                            paper_ppl=[PAPER_405M_PPL[better], PAPER_405M_PPL[worse]]))
+    return out
 
 
 def multiplier_summary(records_by_group, steps):
@@ -550,6 +582,67 @@ def render_paired(rows, table):
             line += f" {_fmt(PAPER_405M_PPL.get(r['variant']), '.2f')} |"
         lines.append(line)
     return "\n".join(lines)
+
+
+def render_orderings(rows):
+    lines = ["The paper's orderings (better variant at 405M minus the other, paired; "
+             "negative = the ordering holds here):", "",
+             "| paper: better | than | Δ (paired) | 95% CI | wins | paper 405M ppl |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        ci = ("" if math.isnan(r["diff_ci95"]) else
+              f"[{r['diff_mean'] - r['diff_ci95']:+.4f}, {r['diff_mean'] + r['diff_ci95']:+.4f}]")
+        lines.append(f"| {VARIANTS[r['better']][0]} | {VARIANTS[r['worse']][0]} | "
+                     f"{_fmt(r['diff_mean'])} | {ci} | {r['wins']}/{r['paired']} | "
+                     f"{r['paper_ppl'][0]:.2f} vs {r['paper_ppl'][1]:.2f} |")
+    return "\n".join(lines)
+
+
+#: The fields a speed measurement must share with a table's runs to convert its steps to
+#: seconds (the model's shape and where it runs).
+SPEED_FIELDS = ("layers", "hidden_dim", "heads", "seq_len", "batch_size", "window",
+                "implementation", "backend")
+
+
+def read_speed(args):
+    """``OUTPUT/speed.json`` (``quality.py speed`` with the same ``--output``) when it was
+    measured at this command's model shape, else None."""
+    path = os.path.join(args.output, "speed.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        speed = json.load(fh)
+    measured, wanted = speed["conditions"]["config"], base_config(args)
+    if any(measured.get(f) != wanted[f] for f in SPEED_FIELDS):
+        return None
+    return speed
+
+
+def per_second(mm, speed):
+    """The multiplier per CPU second: DCFormer++'s step multiplier k divided by the time
+    ratio r of a step (Transformer++ given DCFormer++'s wall-clock budget trains r times
+    the steps), with k's interval over seeds divided by r (r's own spread over rounds is
+    reported beside it, not folded in). None without a matching speed measurement."""
+    if speed is None or "dcmha" not in speed.get("ratio_to_mha", {}):
+        return None
+    r = speed["ratio_to_mha"]["dcmha"]
+    k, ci = mm["k_mean"], mm["k_ci95"]
+    return dict(time_ratio=r, k_per_second=k / r,
+                ci95=[(k - ci) / r, (k + ci) / r] if not math.isnan(ci) else None,
+                seconds_per_step=speed["seconds_per_step"], range=speed["range"],
+                command=speed["conditions"]["command"])
+
+
+def render_per_second(ps):
+    if ps is None:
+        return ("Per CPU second: not measured at this shape (run `quality.py speed` with the "
+                "same model options and --output).")
+    ci = "" if ps["ci95"] is None else f" [{ps['ci95'][0]:.2f}, {ps['ci95'][1]:.2f}]"
+    ms = {n: f"{ps['seconds_per_step'][n] * 1e3:.1f} ms ({ps['range'][n][0] * 1e3:.1f}-"
+             f"{ps['range'][n][1] * 1e3:.1f})" for n in ps["seconds_per_step"]}
+    return (f"Per CPU second: DCFormer++ ≈ Transformer++ with {ps['k_per_second']:.2f}x{ci} "
+            f"its time (k / {ps['time_ratio']:.2f}, the time ratio of a step: "
+            + ", ".join(f"{n} {v}" for n, v in ms.items()) + f"; {ps['command']})")
 
 
 def plot(records_by_group, path, title):
@@ -619,9 +712,14 @@ def report(args, table, records):
             f"{len(mm['per_seed'])} seeds; {mm['censored']} seed(s) outside the measured "
             f"range {min(_multipliers(args)):g}-{max(_multipliers(args)):g}x, counted at the "
             "edge)")
+        out["per_second"] = per_second(mm, read_speed(args))
+        text += "\n" + render_per_second(out["per_second"])
     else:
         out["rows"] = paired_summary(by_group)
         text = render_paired(out["rows"], table)
+    if table == "ablation":
+        out["orderings"] = ordering_summary(by_group)
+        text += "\n\n" + render_orderings(out["orderings"])
     text += f"\n\ncommand: {out['conditions']['command']}\nconditions: {out['conditions']['config']}"
     if out["missing"]:
         text += f"\nmissing runs: {len(out['missing'])} of {len(runs)}"

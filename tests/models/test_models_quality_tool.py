@@ -140,3 +140,50 @@ def test_multiplier_budgets_follow_the_option(quality):
         args = quality.parse(["multiplier", f"--multipliers={bad}"] + TINY)
         with pytest.raises(SystemExit, match="--multipliers must be two or more positive"):
             quality.table_runs(args, "multiplier")
+
+
+def _records(losses):
+    """Stored-run records from {(variant, seed): final loss}."""
+    return [dict(config=dict(variant=v, seed=s), final_val_loss=loss)
+            for (v, s), loss in losses.items()]
+
+
+def test_orderings_are_paired_differences(quality):
+    rng = np.random.default_rng(1)
+    variants = ("mha", "post_only", "pre_only", "dcmha", "rank1")
+    losses = {(v, s): float(rng.normal(1.7, 0.05)) for v in variants for s in range(4)}
+    del losses[("pre_only", 3)]                    # seed 3 cannot be paired for post/pre
+    rows = {(r["better"], r["worse"]): r
+            for r in quality.ordering_summary({"300 steps": _records(losses)})}
+    # Only the orderings whose two variants both ran.
+    assert set(rows) == {("post_only", "pre_only"), ("dcmha", "rank1")}
+    for (better, worse), r in rows.items():
+        seeds = [s for s in range(4) if (better, s) in losses and (worse, s) in losses]
+        diffs = np.array([losses[(better, s)] - losses[(worse, s)] for s in seeds])
+        np.testing.assert_allclose(r["diff_mean"], diffs.mean(), rtol=1e-12)
+        np.testing.assert_allclose(r["diff_sd"], diffs.std(ddof=1), rtol=1e-12)
+        assert r["paired"] == len(seeds) and r["wins"] == int((diffs < 0).sum())
+        assert r["paper_ppl"] == [quality.PAPER_405M_PPL[better], quality.PAPER_405M_PPL[worse]]
+    assert rows[("post_only", "pre_only")]["paired"] == 3
+
+
+def test_per_second_needs_a_speed_measurement_at_the_same_shape(quality, tmp_path):
+    out = str(tmp_path / "q")
+    args = quality.parse(["multiplier", "--output", out] + TINY)
+    assert quality.read_speed(args) is None                  # nothing measured yet
+    speed = dict(conditions=dict(config=dict(quality.base_config(args)), command="speed"),
+                 seconds_per_step=dict(mha=0.1, dcmha=0.125),
+                 range=dict(mha=[0.09, 0.11], dcmha=[0.12, 0.13]),
+                 ratio_to_mha=dict(mha=1.0, dcmha=1.25))
+    os.makedirs(out)
+    with open(os.path.join(out, "speed.json"), "w") as fh:
+        json.dump(speed, fh)
+    mm = dict(k_mean=1.5, k_ci95=0.2)
+    ps = quality.per_second(mm, quality.read_speed(args))
+    np.testing.assert_allclose(ps["k_per_second"], 1.5 / 1.25, rtol=1e-12)
+    np.testing.assert_allclose(ps["ci95"], [1.3 / 1.25, 1.7 / 1.25], rtol=1e-12)
+    assert "1.20x [1.04, 1.36]" in quality.render_per_second(ps)
+    # A speed measured at another shape does not convert this table's steps.
+    other = quality.parse(["multiplier", "--output", out] + TINY + ["--seq-len", "16"])
+    assert quality.read_speed(other) is None
+    assert quality.render_per_second(None).startswith("Per CPU second: not measured")
