@@ -520,17 +520,17 @@ def ordering_summary(records_by_group):
     return out
 
 
-def multiplier_summary(records_by_group, steps):
+def multiplier_summary(records_by_group, steps, variant="dcmha"):
     """Per seed: the step multiple k at which Transformer++'s final loss (interpolated
-    linearly in k between the measured budgets) equals DCFormer++'s at 1x."""
+    linearly in k between the measured budgets) equals ``variant``'s at 1x."""
     per_seed = {}
     for group, recs in records_by_group.items():
         for r in recs:
             cfg = r["config"]
             entry = per_seed.setdefault(cfg["seed"], {"mha": {}})
-            if cfg["variant"] == "dcmha":
+            if cfg["variant"] == variant and cfg["steps"] == steps:
                 entry["dcmha"] = r["final_val_loss"]
-            else:
+            elif cfg["variant"] == "mha":
                 entry["mha"][cfg["steps"] / steps] = r["final_val_loss"]
     ks, notes = [], []
     for seed, e in sorted(per_seed.items()):
@@ -618,19 +618,59 @@ def read_speed(args):
     return speed
 
 
-def per_second(mm, speed):
+def per_second(mm, speed, variant="dcmha"):
     """The multiplier per CPU second: DCFormer++'s step multiplier k divided by the time
     ratio r of a step (Transformer++ given DCFormer++'s wall-clock budget trains r times
     the steps), with k's interval over seeds divided by r (r's own spread over rounds is
-    reported beside it, not folded in). None without a matching speed measurement."""
-    if speed is None or "dcmha" not in speed.get("ratio_to_mha", {}):
+    reported beside it, not folded in). None without a matching speed measurement of
+    ``variant``."""
+    if speed is None or variant not in speed.get("ratio_to_mha", {}):
         return None
-    r = speed["ratio_to_mha"]["dcmha"]
+    r = speed["ratio_to_mha"][variant]
     k, ci = mm["k_mean"], mm["k_ci95"]
     return dict(time_ratio=r, k_per_second=k / r,
                 ci95=[(k - ci) / r, (k + ci) / r] if not math.isnan(ci) else None,
                 seconds_per_step=speed["seconds_per_step"], range=speed["range"],
                 command=speed["conditions"]["command"])
+
+
+def placement_multipliers(args, by_group):
+    """Per placement variant: its step multiplier against the multiplier table's stored
+    Transformer++ budgets (``--multipliers``, same options; none are trained here) and,
+    where ``speed`` measured the variant at this shape, per CPU second."""
+    budgets = [(g, c) for g, c in table_runs(args, "multiplier") if c["variant"] == "mha"]
+    mha = list(ensure_runs(budgets, args, train=False).values())
+    if len({r["config"]["steps"] for r in mha}) < 2:
+        return {}
+    speed = read_speed(args)
+    recs = [r for rs in by_group.values() for r in rs]
+    out = {}
+    for variant in dict.fromkeys(r["config"]["variant"] for r in recs):
+        if variant == "mha":
+            continue
+        mm = multiplier_summary({"runs": recs + mha}, args.steps, variant=variant)
+        if mm["per_seed"]:
+            out[variant] = dict(mm, per_second=per_second(mm, speed, variant))
+    return out
+
+
+def render_placement_multipliers(rows, args):
+    if not rows:
+        return ("Multipliers: no stored Transformer++ budgets at these options (run "
+                "`multiplier` with the same options and --multipliers).")
+    lines = ["| variant | in steps: k [95% CI] | seeds outside the budgets | time ratio | "
+             "per CPU second [95% CI] |", "|---|---|---|---|---|"]
+    for variant, mm in rows.items():
+        ps = mm["per_second"]
+        ci = ("" if math.isnan(mm["k_ci95"]) else
+              f" [{mm['k_mean'] - mm['k_ci95']:.2f}, {mm['k_mean'] + mm['k_ci95']:.2f}]")
+        per = ("not measured" if ps is None else f"{ps['k_per_second']:.2f}" + (
+            "" if ps["ci95"] is None else f" [{ps['ci95'][0]:.2f}, {ps['ci95'][1]:.2f}]"))
+        lines.append(f"| {VARIANTS[variant][0]} | {mm['k_mean']:.2f}{ci} | "
+                     f"{mm['censored']}/{len(mm['per_seed'])} | "
+                     f"{'' if ps is None else format(ps['time_ratio'], '.2f')} | {per} |")
+    return (f"Against Transformer++ at {args.multipliers} x the steps:\n\n"
+            + "\n".join(lines))
 
 
 def render_per_second(ps):
@@ -720,6 +760,9 @@ def report(args, table, records):
     if table == "ablation":
         out["orderings"] = ordering_summary(by_group)
         text += "\n\n" + render_orderings(out["orderings"])
+    if table == "placement":
+        out["multipliers"] = placement_multipliers(args, by_group)
+        text += "\n\n" + render_placement_multipliers(out["multipliers"], args)
     text += f"\n\ncommand: {out['conditions']['command']}\nconditions: {out['conditions']['config']}"
     if out["missing"]:
         text += f"\nmissing runs: {len(out['missing'])} of {len(runs)}"

@@ -187,3 +187,22 @@ def test_per_second_needs_a_speed_measurement_at_the_same_shape(quality, tmp_pat
     other = quality.parse(["multiplier", "--output", out] + TINY + ["--seq-len", "16"])
     assert quality.read_speed(other) is None
     assert quality.render_per_second(None).startswith("Per CPU second: not measured")
+
+
+def test_multiplier_of_another_variant_ignores_the_others(quality):
+    # Transformer++ at 1x, 2x: 2.0, 1.8; every 2nd layer at 1x: 1.9 -> k = 1.5. DCFormer++'s
+    # own runs (1.85) must not count as the target, nor as a Transformer++ budget.
+    recs = [dict(config=dict(variant="mha", seed=0, steps=100), final_val_loss=2.0),
+            dict(config=dict(variant="mha", seed=0, steps=200), final_val_loss=1.8),
+            dict(config=dict(variant="dcmha", seed=0, steps=100), final_val_loss=1.85),
+            dict(config=dict(variant="dcmha_every_2nd", seed=0, steps=100),
+                 final_val_loss=1.9)]
+    out = quality.multiplier_summary({"runs": recs}, 100, variant="dcmha_every_2nd")
+    assert [(e["seed"], e["bound"]) for e in out["per_seed"]] == [(0, "=")]
+    np.testing.assert_allclose(out["per_seed"][0]["k"], 1.5, rtol=1e-12)
+    assert out["per_seed"][0]["mha"] == {"1": 2.0, "2": 1.8}
+    speed = dict(ratio_to_mha=dict(mha=1.0, dcmha_every_2nd=1.2), seconds_per_step={},
+                 range={}, conditions=dict(command="speed"))
+    assert quality.per_second(out, speed, "dcmha") is None      # not measured
+    np.testing.assert_allclose(quality.per_second(out, speed, "dcmha_every_2nd")[
+        "k_per_second"], 1.5 / 1.2, rtol=1e-12)
