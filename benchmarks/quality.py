@@ -13,7 +13,10 @@ stopped (and two processes can share the work: a run being trained is locked)::
 
     python benchmarks/quality.py main         # Transformer++ vs DCFormer++, --seeds (5)
     python benchmarks/quality.py ablation     # the paper's ten variants, 3 seeds, and its
-                                              # orderings (post > pre, ...) as paired CIs
+                                              # orderings (post > pre, ...) as paired CIs;
+                                              # with `placement`, each variant's multiplier
+                                              # where `multiplier` stored Transformer++'s
+                                              # budgets at the same options
     python benchmarks/quality.py multiplier   # Transformer++ at 1, 1.5, 2, 3x the steps
                                               # (--multipliers: other budgets, e.g. 0.5,0.75,1);
                                               # per CPU second too where `speed` has run with
@@ -634,8 +637,8 @@ def per_second(mm, speed, variant="dcmha"):
                 command=speed["conditions"]["command"])
 
 
-def placement_multipliers(args, by_group):
-    """Per placement variant: its step multiplier against the multiplier table's stored
+def variant_multipliers(args, by_group):
+    """Per variant of an ablation or placement table: its step multiplier against the multiplier table's stored
     Transformer++ budgets (``--multipliers``, same options; none are trained here) and,
     where ``speed`` measured the variant at this shape, per CPU second."""
     budgets = [(g, c) for g, c in table_runs(args, "multiplier") if c["variant"] == "mha"]
@@ -654,7 +657,7 @@ def placement_multipliers(args, by_group):
     return out
 
 
-def render_placement_multipliers(rows, args):
+def render_variant_multipliers(rows, args):
     if not rows:
         return ("Multipliers: no stored Transformer++ budgets at these options (run "
                 "`multiplier` with the same options and --multipliers).")
@@ -760,9 +763,9 @@ def report(args, table, records):
     if table == "ablation":
         out["orderings"] = ordering_summary(by_group)
         text += "\n\n" + render_orderings(out["orderings"])
-    if table == "placement":
-        out["multipliers"] = placement_multipliers(args, by_group)
-        text += "\n\n" + render_placement_multipliers(out["multipliers"], args)
+    if table in ("ablation", "placement"):
+        out["multipliers"] = variant_multipliers(args, by_group)
+        text += "\n\n" + render_variant_multipliers(out["multipliers"], args)
     text += f"\n\ncommand: {out['conditions']['command']}\nconditions: {out['conditions']['config']}"
     if out["missing"]:
         text += f"\nmissing runs: {len(out['missing'])} of {len(runs)}"
