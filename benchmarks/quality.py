@@ -569,14 +569,32 @@ def _fmt(v, spec="+.4f"):
     return "" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
+def _bracket(lo, hi, spec="+.4f"):
+    """"[lo, hi]" in ``spec``, or "" when the interval is unknown (None or NaN)."""
+    if _fmt(lo) == "" or _fmt(hi) == "":
+        return ""
+    return f"[{lo:{spec}}, {hi:{spec}}]"
+
+
+def _with(value, interval):
+    """``value`` then, when known, its interval after a space."""
+    return f"{value} {interval}" if interval else value
+
+
+def _interval(mean, half, spec="+.4f"):
+    """``_bracket`` of mean ± half (a confidence interval's half-width)."""
+    if _fmt(mean) == "" or _fmt(half) == "":
+        return ""
+    return _bracket(mean - half, mean + half, spec)
+
+
 def render_paired(rows, table):
     head = (f"| group | variant | seeds | val loss (mean ± sd) | Δ vs MHA (paired) | 95% CI "
             f"| wins | s/step |{' paper 405M ppl |' if table == 'ablation' else ''}")
     sep = "|---" * (9 if table == "ablation" else 8) + "|"
     lines = [head, sep]
     for r in rows:
-        ci = ("" if r["diff_ci95"] is None or math.isnan(r["diff_ci95"]) else
-              f"[{r['diff_mean'] - r['diff_ci95']:+.4f}, {r['diff_mean'] + r['diff_ci95']:+.4f}]")
+        ci = _interval(r["diff_mean"], r["diff_ci95"])
         wins = "" if r["wins"] is None else f"{r['wins']}/{r['paired']}"
         sps = _fmt(r["seconds_per_step"], ".3f")
         line = (f"| {r['group']} | {r['label']} | {len(r['seeds'])} | {r['loss_mean']:.4f} ± "
@@ -593,8 +611,7 @@ def render_orderings(rows):
              "| paper: better | than | Δ (paired) | 95% CI | wins | paper 405M ppl |",
              "|---|---|---|---|---|---|"]
     for r in rows:
-        ci = ("" if math.isnan(r["diff_ci95"]) else
-              f"[{r['diff_mean'] - r['diff_ci95']:+.4f}, {r['diff_mean'] + r['diff_ci95']:+.4f}]")
+        ci = _interval(r["diff_mean"], r["diff_ci95"])
         lines.append(f"| {VARIANTS[r['better']][0]} | {VARIANTS[r['worse']][0]} | "
                      f"{_fmt(r['diff_mean'])} | {ci} | {r['wins']}/{r['paired']} | "
                      f"{r['paper_ppl'][0]:.2f} vs {r['paper_ppl'][1]:.2f} |")
@@ -638,9 +655,10 @@ def per_second(mm, speed, variant="dcmha"):
 
 
 def variant_multipliers(args, by_group):
-    """Per variant of an ablation or placement table: its step multiplier against the multiplier table's stored
-    Transformer++ budgets (``--multipliers``, same options; none are trained here) and,
-    where ``speed`` measured the variant at this shape, per CPU second."""
+    """Per variant of an ablation or placement table: its step multiplier against the
+    multiplier table's stored Transformer++ budgets (``--multipliers``, same options; none
+    are trained here) and, where ``speed`` measured the variant at this shape, per CPU
+    second."""
     budgets = [(g, c) for g, c in table_runs(args, "multiplier") if c["variant"] == "mha"]
     mha = list(ensure_runs(budgets, args, train=False).values())
     if len({r["config"]["steps"] for r in mha}) < 2:
@@ -665,11 +683,10 @@ def render_variant_multipliers(rows, args):
              "per CPU second [95% CI] |", "|---|---|---|---|---|"]
     for variant, mm in rows.items():
         ps = mm["per_second"]
-        ci = ("" if math.isnan(mm["k_ci95"]) else
-              f" [{mm['k_mean'] - mm['k_ci95']:.2f}, {mm['k_mean'] + mm['k_ci95']:.2f}]")
-        per = ("not measured" if ps is None else f"{ps['k_per_second']:.2f}" + (
-            "" if ps["ci95"] is None else f" [{ps['ci95'][0]:.2f}, {ps['ci95'][1]:.2f}]"))
-        lines.append(f"| {VARIANTS[variant][0]} | {mm['k_mean']:.2f}{ci} | "
+        ci = _interval(mm["k_mean"], mm["k_ci95"], ".2f")
+        per = ("not measured" if ps is None else
+               _with(f"{ps['k_per_second']:.2f}", _bracket(*(ps["ci95"] or (None, None)), ".2f")))
+        lines.append(f"| {VARIANTS[variant][0]} | {_with(format(mm['k_mean'], '.2f'), ci)} | "
                      f"{mm['censored']}/{len(mm['per_seed'])} | "
                      f"{'' if ps is None else format(ps['time_ratio'], '.2f')} | {per} |")
     return (f"Against Transformer++ at {args.multipliers} x the steps:\n\n"
@@ -680,10 +697,11 @@ def render_per_second(ps):
     if ps is None:
         return ("Per CPU second: not measured at this shape (run `quality.py speed` with the "
                 "same model options and --output).")
-    ci = "" if ps["ci95"] is None else f" [{ps['ci95'][0]:.2f}, {ps['ci95'][1]:.2f}]"
+    ci = _bracket(*(ps["ci95"] or (None, None)), ".2f")
     ms = {n: f"{ps['seconds_per_step'][n] * 1e3:.1f} ms ({ps['range'][n][0] * 1e3:.1f}-"
              f"{ps['range'][n][1] * 1e3:.1f})" for n in ps["seconds_per_step"]}
-    return (f"Per CPU second: DCFormer++ ≈ Transformer++ with {ps['k_per_second']:.2f}x{ci} "
+    return (f"Per CPU second: DCFormer++ ≈ Transformer++ with "
+            f"{_with(format(ps['k_per_second'], '.2f') + 'x', ci)} "
             f"its time (k / {ps['time_ratio']:.2f}, the time ratio of a step: "
             + ", ".join(f"{n} {v}" for n, v in ms.items()) + f"; {ps['command']})")
 
