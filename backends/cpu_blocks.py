@@ -54,13 +54,15 @@ _NEG = MASKED_SCORE
 class KernelPath:
     """The compiled kernel of one framework path, built on first use.
 
-    ``build()`` returns (handle, None) or (None, reason); ``compose(handle)`` returns the
-    framework's compose primitive ``compose(x, wq, kw1, kw2, kdd, flags)``.
+    ``build()`` returns (handle, None) or (None, reason); ``primitives(handle)`` returns
+    the framework's kernel primitives as ``attention``'s keyword arguments: ``compose``
+    (``compose(x, wq, kw1, kw2, kdd, flags)``), and optionally ``probs`` and
+    ``query_matrix``.
     ``DCMHA_CPU_KERNEL=0`` makes the path unavailable (checked on every call).
     """
 
-    def __init__(self, build: Callable, compose: Callable):
-        self._build, self._make_compose = build, compose
+    def __init__(self, build: Callable, primitives: Callable):
+        self._build, self._primitives = build, primitives
         self._lock = threading.Lock()
         self._state: dict = {}
 
@@ -95,20 +97,21 @@ class KernelPath:
         if not self.load():
             raise RuntimeError(f"the dcmha CPU kernel is unavailable: "
                                f"{self.unavailable_reason()}")
-        return attention(q, k, v, compose=self._make_compose(self._state["handle"]), **kwargs)
+        return attention(q, k, v, **self._primitives(self._state["handle"]), **kwargs)
 
 
-def stage_arrays(terms: Optional[Mapping], B, T, G, M):
+def stage_arrays(terms: Optional[Mapping], B, T, G, M, query_matrix=None):
     """A stage's kernel arrays (wq, kw1, kw2, kdd), None where absent, or None (no stage).
 
     wq (B, T, G, M, M) folds the residual, static and query-side terms (out[n] =
-    sum_m wq[n, m] x[m], ``dcmha.ops.query_compose_matrix``); kw1, kw2 (B, G, R, M, S)
-    and kdd (B, G, M, S) are the key-side terms with the key axis last.
+    sum_m wq[n, m] x[m], ``query_matrix(terms, M)``, by default
+    ``dcmha.ops.query_compose_matrix``); kw1, kw2 (B, G, R, M, S) and kdd (B, G, M, S)
+    are the key-side terms with the key axis last.
     """
     if not terms:
         return None
     f = {n: ops.cast(v, "float32") for n, v in terms.items() if v is not None}
-    wq = dops.query_compose_matrix(f, M)
+    wq = (query_matrix or dops.query_compose_matrix)(f, M)
     if wq is not None:
         wq = ops.broadcast_to(wq, (B, T, G, M, M))
     kw1 = kw2 = kdd = None
@@ -139,14 +142,22 @@ def _split_stage(stage, q_bounds, k_bounds):
               for a in (kw1, kw2, kdd)))
 
 
+def _block_terms(parts, i, j0, j1):
+    """A stage's kernel arrays for query block i and key blocks [j0, j1): (wq, kw1, kw2,
+    kdd), a 1-element dummy where a term is absent; all dummies without the stage."""
+    dummy = ops.zeros((1,), "float32")
+    if parts is None:
+        return (dummy,) * 4
+    wq, kw1, kw2, kdd = parts
+    keys = lambda a: dummy if a is None else dops.join_blocks(a[j0:j1], axis=a[0].ndim - 1)  # noqa: E731
+    return dummy if wq is None else wq[i], keys(kw1), keys(kw2), keys(kdd)
+
+
 def _compose_block(compose, x, parts, flags, i, j0, j1):
     """Compose of block x with query block i's wq and key blocks [j0, j1) of the terms."""
     if parts is None:
         return x
-    wq, kw1, kw2, kdd = parts
-    dummy = ops.zeros((1,), "float32")
-    keys = lambda a: dummy if a is None else dops.join_blocks(a[j0:j1], axis=a[0].ndim - 1)  # noqa: E731
-    return compose(x, dummy if wq is None else wq[i], keys(kw1), keys(kw2), keys(kdd), flags)
+    return compose(x, *_block_terms(parts, i, j0, j1), flags)
 
 
 def _heads(q, k, v, scale):
@@ -161,13 +172,22 @@ def _heads(q, k, v, scale):
 
 
 def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, causal=False,
-              sliding_window=None, scale=None, query_offset=0, block_q=64):
+              sliding_window=None, scale=None, query_offset=0, block_q=64, probs=None,
+              query_matrix=None):
     """Blocked DCMHA attention whose composes run ``compose`` (see the module doc).
 
     Args:
         q: (B, T, N, d) queries; k: (B, S, N_kv, d) keys, v: (B, S, N_kv, d_v) values
             (N % N_kv == 0; query head h reads kv head h // (N / N_kv)); static shapes.
         compose: the framework's kernel primitive.
+        probs: the framework's primitive for a block's probabilities in one kernel call,
+            ``probs(x, pre_terms, post_terms, vis, pre_flags, post_flags)`` -> the block's
+            post-composed probabilities (each stage's terms a tuple (wq, kw1, kw2, kdd) as
+            ``compose`` takes them, dummies for an absent stage, whose flags are 0; vis
+            (B|1, t, s) bool or None), or None: the composes run one call each and the
+            mask and softmax are the framework's.
+        query_matrix: the framework's ``query_matrix(terms, M)`` for a stage's query
+            factor (``stage_arrays``), or None: ``dcmha.ops.query_compose_matrix``.
         num_groups: G, composition groups (N % G == 0).
         pre, post: dicts of compose terms in the spec's layout (qw1, qw2 (B, T, G, R, M);
             kw1, kw2 (B, S, G, R, M); qdd (B, T, G, M); kdd (B, S, G, M); static
@@ -195,7 +215,7 @@ def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, c
     k_parts, v_parts = dops.split_blocks(kh, k_bounds, axis=3), dops.split_blocks(vh, k_bounds, axis=2)
     stages = []
     for terms in (pre, post):
-        st = stage_arrays(terms, B, T, G, M)
+        st = stage_arrays(terms, B, T, G, M, query_matrix)
         stages.append(None if st is None else (_split_stage(st, q_bounds, k_bounds),
                                                flags_of(st)))
     outs = []
@@ -212,26 +232,39 @@ def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, c
                         (B, G, M, t, s))
         causal_bits = cpu_kernel.causal_flags(
             cpu_kernel.block_causal_off(causal, t0, s0, s, query_offset))
-        if stages[0] is not None:
-            x = _compose_block(compose, x, stages[0][0], stages[0][1] | causal_bits, i, j0, j1)
         vis = dops.block_mask(mask, t0, t1, s0, s1, use_causal_mask=causal,
                                sliding_window=sliding_window, query_offset=query_offset)
-        if vis is not None:
-            # Added, not selected: the gradient of an addition passes straight through,
-            # where a select costs a pass over the block in the backward (it cannot fuse
-            # with the kernel's compose). x + _NEG is _NEG exactly for |x| < 3e22 (half
-            # the spacing of float32 near 1e30), so the forward is the select's.
-            x = x + ops.where(vis, 0.0, _NEG)[:, None, None]
-        # one visible key: softmax is 1 (a masked one belongs to a fully masked row)
-        p = ops.ones_like(x) if s == 1 else ops.softmax(x, axis=-1)
-        if stages[1] is not None:
-            p = _compose_block(compose, p, stages[1][0], stages[1][1] | causal_bits, i, j0, j1)
+        if probs is not None and (stages[0] or stages[1]):
+            p = probs(x, *(_block_terms(st and st[0], i, j0, j1) for st in stages),
+                      None if vis is None else ops.broadcast_to(vis, (vis.shape[0], t, s)),
+                      *((st[1] | causal_bits) if st else 0 for st in stages))
+        else:
+            p = _probs_block(compose, x, stages, vis, causal_bits, i, j0, j1)
         o = ops.matmul(ops.reshape(p, (B, N, t, s)), dops.join_blocks(v_parts[j0:j1], axis=2))
         if vis is not None:                      # rows without a visible key -> 0
             o = o * ops.cast(ops.any(vis, axis=-1), "float32")[:, None, :, None]
         outs.append(o)
     o = dops.join_blocks(outs, axis=2)
     return ops.transpose(o, (0, 2, 1, 3))
+
+
+def _probs_block(compose, x, stages, vis, causal_bits, i, j0, j1):
+    """A block's probabilities from its scores x (B, G, M, t, s) by one compose per stage
+    and the framework's mask and softmax."""
+    s = x.shape[-1]
+    if stages[0] is not None:
+        x = _compose_block(compose, x, stages[0][0], stages[0][1] | causal_bits, i, j0, j1)
+    if vis is not None:
+        # Added, not selected: the gradient of an addition passes straight through,
+        # where a select costs a pass over the block in the backward (it cannot fuse
+        # with the kernel's compose). x + _NEG is _NEG exactly for |x| < 3e22 (half
+        # the spacing of float32 near 1e30), so the forward is the select's.
+        x = x + ops.where(vis, 0.0, _NEG)[:, None, None]
+    # one visible key: softmax is 1 (a masked one belongs to a fully masked row)
+    p = ops.ones_like(x) if s == 1 else ops.softmax(x, axis=-1)
+    if stages[1] is not None:
+        p = _compose_block(compose, p, stages[1][0], stages[1][1] | causal_bits, i, j0, j1)
+    return p
 
 
 def reference(q, k, v, *, num_groups, pre=None, post=None, mask=None, causal=False,

@@ -50,7 +50,9 @@ _CC = ("CC", "C", ("cc", "gcc", "clang"))
 _CXX = ("CXX", "C++", ("c++", "g++", "clang++"))
 _KERNEL_SYMBOLS = ("dcmha_compose_forward", "dcmha_compose_backward", "dcmha_fill_args",
                    "dcmha_cached_scratch", "dcmha_cached_args", "dcmha_compose_cached",
-                   "dcmha_decode_probs", "dcmha_dynamic_weights", "dcmha_dynamic_finish")
+                   "dcmha_decode_probs", "dcmha_dynamic_weights", "dcmha_dynamic_finish",
+                   "dcmha_block_probs_slices", "dcmha_query_matrix",
+                   "dcmha_query_matrix_backward")
 #: The (layout, names) functions of DCMHA_DEFINE_ARGS_LAYOUT: the C kernel's, a C++ wrapper's.
 _C_LAYOUT = ("dcmha_args_layout", "dcmha_args_names")
 _CXX_LAYOUT = ("dcmha_cxx_args_layout", "dcmha_cxx_args_names")
@@ -124,7 +126,9 @@ def ffi_recipe(include_dir: str, jaxlib_version: str) -> Recipe:
     against jaxlib's FFI headers in ``include_dir``."""
     return _wrapper_recipe("compose_xla_ffi", "xla_ffi.cc", [f"-I{include_dir}"], (),
                            (f"jaxlib {jaxlib_version}", include_dir),
-                           ("DcmhaComposeForward", "DcmhaComposeBackward", "DcmhaDecodeProbs"))
+                           ("DcmhaComposeForward", "DcmhaComposeBackward", "DcmhaDecodeProbs",
+                            "DcmhaBlockProbsForward", "DcmhaBlockProbsBackward", "DcmhaQueryMatrix",
+                            "DcmhaQueryMatrixBackward"))
 
 
 def tf_recipe(compile_flags, link_flags, tf_version: str) -> Recipe:

@@ -581,6 +581,36 @@ void dcmha_query_matrix(int64_t B, int64_t T, int64_t G, int64_t M, int64_t R,
     }
 }
 
+void dcmha_query_matrix_backward(int64_t B, int64_t T, int64_t G, int64_t M, int64_t R,
+                                 const float *qw1, const float *qw2, const float *dwq,
+                                 float *dqw1, float *dqw2, float *dqdd, float *dst) {
+    if (dst) memset(dst, 0, sizeof(float) * (size_t)(G * M * M));
+    for (int64_t i = 0; i < B * T * G; i++) {   /* row i = (b, t, g) of the terms */
+        const float *d = dwq + i * M * M;       /* d[n, m] = dL/dwq[n, m] */
+        if (dqdd)
+            for (int64_t n = 0; n < M; n++) dqdd[i * M + n] = d[n * M + n];
+        if (dqw1)
+            for (int64_t r = 0; r < R; r++) {
+                const float *a = qw1 + (i * R + r) * M, *c = qw2 + (i * R + r) * M;
+                float *da = dqw1 + (i * R + r) * M, *dc = dqw2 + (i * R + r) * M;
+                for (int64_t m = 0; m < M; m++) da[m] = 0.0f;
+                for (int64_t n = 0; n < M; n++) {
+                    float v = 0.0f;
+                    for (int64_t m = 0; m < M; m++) {
+                        da[m] += d[n * M + m] * c[n];
+                        v += d[n * M + m] * a[m];
+                    }
+                    dc[n] = v;
+                }
+            }
+        if (dst) {
+            float *w = dst + (i % G) * M * M;
+            for (int64_t n = 0; n < M; n++)
+                for (int64_t m = 0; m < M; m++) w[m * M + n] += d[n * M + m];
+        }
+    }
+}
+
 /* dcmha_compose_cached with key rows kw_row / kd_row floats apart (0: contiguous). */
 static int compose_cached_rows(int64_t B, int64_t G, int64_t M, int64_t T, int64_t S,
                                int64_t Rq, int64_t Rk, const float *x, float *out,
@@ -755,6 +785,108 @@ int dcmha_probs_rows(const Args *pre, const Args *post, const float *x, float *o
     }
     free(tmp);
     return failed;
+}
+
+/* ---- A training block's probabilities: Compose, masked softmax, Compose; and backward ---- */
+
+/* Keys of row i that a causal stage leaves visible: all s, or [0, i + causal_off + 1)
+   clipped to [0, s]. */
+static int64_t visible_keys(const Args *a, int64_t i, int64_t s) {
+    if (!a || !a->causal) return s;
+    const int64_t n = i + a->causal_off + 1;
+    return n < 0 ? 0 : n < s ? n : s;
+}
+
+/* The (M, t, s) rows of one slice as their masked softmax, in place: entries whose vis byte
+   is 0 get `masked` (vis: (t, s), NULL: none), and in a causal block (c: a stage's Args)
+   the keys past row i's last visible one are exactly 0 (a row with none is all 0). */
+static void block_softmax(float *x, int64_t M, int64_t t, int64_t s, const uint8_t *vis,
+                          float masked, const Args *c) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = 0; i < t; i++) {
+            float *row = x + (m * t + i) * s;
+            const int64_t n = visible_keys(c, i, s);
+            if (vis)
+                for (int64_t j = 0; j < n; j++)
+                    if (!vis[i * s + j]) row[j] = masked;
+            if (n > 0) softmax_row(row, n);
+            if (n < s) memset(row + n, 0, sizeof(float) * (size_t)(s - n));
+        }
+}
+
+/* d = p * (d - sum_j p_j d_j) over each of the slice's (M, t, s) rows (the softmax's
+   backward, in place); in a causal block only each row's visible keys (the rest of d is
+   0 there, since p is). */
+static void block_softmax_backward(float *d, const float *p, int64_t M, int64_t t, int64_t s,
+                                   const Args *c) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = 0; i < t; i++) {
+            float *dr = d + (m * t + i) * s;
+            const float *pr = p + (m * t + i) * s;
+            const int64_t n = visible_keys(c, i, s);
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t j = 0; j < n; j++) dot += pr[j] * dr[j];
+#pragma omp simd
+            for (int64_t j = 0; j < n; j++) dr[j] = pr[j] * (dr[j] - dot);
+            if (n < s) memset(dr + n, 0, sizeof(float) * (size_t)(s - n));
+        }
+}
+
+/* A stage's Args narrowed to slice (b, gi), with its block arrays at the slice's x, out, g. */
+static Args stage_slice(const Args *a, int64_t b, int64_t gi, const float *x, float *out,
+                        const float *g) {
+    Args p = narrowed(a, b, 1, gi, 1);
+    p.x = x;
+    p.out = out;
+    p.g = g;
+    return p;
+}
+
+int dcmha_block_probs_slices(const Args *pre, const Args *post, const float *x, float *p,
+                             float *out, const uint8_t *vis, int64_t vis_b, float masked,
+                             int backward, const float *g, float *dx, int64_t begin,
+                             int64_t end) {
+    const Args *c = pre ? pre : post;
+    const int64_t B = c->B, G = c->G, M = c->M, t = c->t, s = c->s, n = M * t * s;
+    if (begin < 0) begin = 0;
+    if (end > B * G) end = B * G;
+    for (int64_t k = begin; k < end; k++) {
+        const int64_t b = k / G, gi = k % G;
+        const float *xs = x + k * n;
+        const uint8_t *vs = vis ? vis + (vis_b == 1 ? 0 : b) * t * s : 0;
+        if (!backward) {
+            float *ps = p + k * n, *os = out + k * n;
+            if (pre) {
+                const Args a = stage_slice(pre, b, gi, xs, ps, 0);
+                if (dcmha_compose_forward(&a)) return 1;
+            } else {
+                memcpy(ps, xs, sizeof(float) * (size_t)n);
+            }
+            block_softmax(ps, M, t, s, vs, masked, c);
+            if (post) {
+                const Args a = stage_slice(post, b, gi, ps, os, 0);
+                if (dcmha_compose_forward(&a)) return 1;
+            } else {
+                memcpy(os, ps, sizeof(float) * (size_t)n);
+            }
+        } else {
+            const float *ps = p + k * n, *gs = g + k * n;
+            float *ds = dx + k * n;
+            if (post) {
+                const Args a = stage_slice(post, b, gi, ps, ds, gs);
+                if (dcmha_compose_backward(&a)) return 1;
+            } else {
+                memcpy(ds, gs, sizeof(float) * (size_t)n);
+            }
+            block_softmax_backward(ds, ps, M, t, s, c);
+            if (pre) {
+                const Args a = stage_slice(pre, b, gi, xs, ds, ds);
+                if (dcmha_compose_backward(&a)) return 1;
+            }
+        }
+    }
+    return 0;
 }
 
 /* y[j] += sum_d x[d] w[d, j] for one row (j < n; w rows of n floats). */

@@ -16,9 +16,11 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 #include "dcmha_args.h"
 
@@ -99,24 +101,22 @@ static void dcmha_grads(Args &a, float *dwq, size_t n_dwq, float *dkw1, float *d
 }
 
 /* One split call's state, shared by the calling thread and its helper tasks: the chunks
-   [0, n) of the call's B G slices, claimed in turn from `next`; `done` counts the finished
-   ones under `mu`. */
+   [0, n) of the call's slices, claimed in turn from `next` and each run as run(begin, end)
+   over its range of slices; `done` counts the finished ones under `mu`. */
 struct DcmhaSplit {
-    DcmhaSplit(const Args &args, int bwd, int64_t chunks)
-        : a(args), backward(bwd), n(chunks), slices(args.B * args.G) {}
+    DcmhaSplit(std::function<int(int64_t, int64_t)> range, int64_t chunks, int64_t count)
+        : run(std::move(range)), n(chunks), slices(count) {}
 
     /* Claims and runs chunks until none is left. */
     void work() {
         for (int64_t c; (c = next.fetch_add(1)) < n;) {
-            if (dcmha_compose_slices(&a, backward, c * slices / n, (c + 1) * slices / n))
-                failed.store(1);
+            if (run(c * slices / n, (c + 1) * slices / n)) failed.store(1);
             std::lock_guard<std::mutex> lock(mu);
             if (++done == n) finished.notify_all();
         }
     }
 
-    const Args a;
-    const int backward;
+    const std::function<int(int64_t, int64_t)> run;
     const int64_t n, slices;
     std::atomic<int64_t> next{0};
     std::atomic<int> failed{0};
@@ -125,9 +125,8 @@ struct DcmhaSplit {
     int64_t done = 0;
 };
 
-/* The forward (backward = 0) or backward of a, split over dcmha_compose_chunks(a, threads)
-   chunks of its (b, g) slices (compose.c's dcmha_compose_slices: results bit for bit the
-   whole call's). schedule(task) hands a callable to the framework's thread pool, once per
+/* run(begin, end) over the (b, g) slices of `a`'s shape, split into dcmha_compose_chunks(a,
+   threads) chunks. schedule(task) hands a callable to the framework's thread pool, once per
    chunk but one; the calling thread runs chunks as well. A chunk is run by whichever thread
    claims it first, and the caller, once none is left to claim, waits only for chunks that
    running threads have claimed: it never waits on a task still queued, so the call ends
@@ -135,11 +134,11 @@ struct DcmhaSplit {
    after the work is gone does nothing; it shares ownership of the state, which may outlive
    the call. 0 on success, 1 when a chunk ran out of memory. */
 template <typename Schedule>
-static int dcmha_compose_split(const Args &a, int backward, int64_t threads,
-                               Schedule &&schedule) {
-    const int64_t n = dcmha_compose_chunks(&a, threads);
-    if (n <= 1) return backward ? dcmha_compose_backward(&a) : dcmha_compose_forward(&a);
-    auto split = std::make_shared<DcmhaSplit>(a, backward, n);
+static int dcmha_split(const Args &a, int64_t threads, std::function<int(int64_t, int64_t)> run,
+                       Schedule &&schedule) {
+    const int64_t n = dcmha_compose_chunks(&a, threads), slices = a.B * a.G;
+    if (n <= 1) return run(0, slices);
+    auto split = std::make_shared<DcmhaSplit>(std::move(run), n, slices);
     try {
         for (int64_t i = 1; i < n; i++) schedule([split] { split->work(); });
     } catch (...) {
@@ -149,6 +148,41 @@ static int dcmha_compose_split(const Args &a, int backward, int64_t threads,
     std::unique_lock<std::mutex> lock(split->mu);
     split->finished.wait(lock, [&] { return split->done == split->n; });
     return split->failed.load();
+}
+
+/* The forward (backward = 0) or backward of a, split over the framework's threads
+   (dcmha_split; compose.c's dcmha_compose_slices: results bit for bit the whole call's). */
+template <typename Schedule>
+static int dcmha_compose_split(const Args &a, int backward, int64_t threads,
+                               Schedule &&schedule) {
+    return dcmha_split(a, threads, [a, backward](int64_t begin, int64_t end) {
+        return dcmha_compose_slices(&a, backward, begin, end);
+    }, std::forward<Schedule>(schedule));
+}
+
+/* A training block's probabilities (compose.c's dcmha_block_probs_slices), forward or
+   backward, split over the framework's threads as dcmha_split does. The stages' Args are
+   copied into the tasks (a stage absent: has_pre / has_post false). */
+struct DcmhaBlockProbs {
+    Args pre, post;
+    bool has_pre = false, has_post = false;
+    const float *x = nullptr, *g = nullptr;
+    float *p = nullptr, *out = nullptr, *dx = nullptr;
+    const uint8_t *vis = nullptr;
+    int64_t vis_b = 1;
+    float masked = 0.0f;
+};
+
+template <typename Schedule>
+static int dcmha_block_probs_split(const DcmhaBlockProbs &j, int backward, int64_t threads,
+                                   Schedule &&schedule) {
+    return dcmha_split(j.has_pre ? j.pre : j.post, threads,
+                       [j, backward](int64_t begin, int64_t end) {
+        return dcmha_block_probs_slices(j.has_pre ? &j.pre : nullptr,
+                                        j.has_post ? &j.post : nullptr, j.x, j.p, j.out,
+                                        j.vis, j.vis_b, j.masked, backward, j.g, j.dx, begin,
+                                        end);
+    }, std::forward<Schedule>(schedule));
 }
 
 #endif /* DCMHA_COMPOSE_WRAP_H */

@@ -123,6 +123,21 @@ DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_probs_rows(const Args *pre, const Args *p
                                                   int64_t bias_b, int64_t B, int64_t N,
                                                   int64_t T, int64_t S, int64_t r0, int64_t r1);
 
+/* A training block's probabilities over its (b, g) slices [begin, end) (slice b G + g; the
+   range clipped to [0, B G)), each slice's results the whole call's, so disjoint ranges may
+   run at once. x, p, out, g, dx: contiguous (B, G, M, t, s); pre / post: a stage's Args
+   (dcmha_fill_args: its terms, their gradients attached for the backward; the block arrays
+   are set per slice), NULL for an absent stage (at least one present; both carry the same
+   B, G, M, t, s and causal bits). Forward (backward = 0): p = softmax(Compose_pre(x)), each
+   entry whose byte of vis (vis_b, t, s) is 0 (vis_b in {1, B}; NULL: none) set to `masked`
+   first and, in a causal block, each row's keys past its last visible one exactly 0 (a row
+   with none all 0); out = Compose_post(p). Backward: from g = dL/d out and the forward's x
+   and p, dx = dL/dx, the term gradients accumulated (+=) into each stage's. 0 on success,
+   1 when out of memory. */
+DCMHA_C_LINKAGE DCMHA_EXPORT int dcmha_block_probs_slices(
+    const Args *pre, const Args *post, const float *x, float *p, float *out, const uint8_t *vis,
+    int64_t vis_b, float masked, int backward, const float *g, float *dx, int64_t begin,
+    int64_t end);
 /* The spec's query factor of each (b, t, g): wq[n, m] = [n == m] (1 + qdd[n])
    + sum_r qw1[r, m] qw2[r, n] + static[g, m, n] (out[n] = sum_m wq[n, m] x[m], the residual
    included), from qw1, qw2 (B, T, G, R, M), qdd (B, T, G, M), static (G, M, M), each NULL
@@ -133,6 +148,12 @@ DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_query_matrix(int64_t B, int64_t T, int64
                                                      const float *st, float *wq,
                                                      int groups_first);
 
+/* The gradients of dcmha_query_matrix's terms from dwq = dL/dwq (B, T, G, M, M), into dqw1,
+   dqw2 (B, T, G, R, M), dqdd (B, T, G, M) and dst (G, M, M, summed over B and T), each
+   NULL when its term is absent (qw1, qw2 are read where dqw1 is given). */
+DCMHA_C_LINKAGE DCMHA_EXPORT void dcmha_query_matrix_backward(
+    int64_t B, int64_t T, int64_t G, int64_t M, int64_t R, const float *qw1, const float *qw2,
+    const float *dwq, float *dqw1, float *dqw2, float *dqdd, float *dst);
 /* One query's probabilities, as the plain core's one-query path computes them: p (B, G, M, S)
    = Compose_post(softmax(where(mask, Compose_pre(x), masked))) for the scores x (B, G, M, S)
    (p must not alias x). Each stage's terms as dcmha_compose_cached's (T = 1), all NULL for

@@ -29,6 +29,10 @@ __all__ = ["dcmha_attention", "dcmha_attention_reference", "decode_probs", "load
 
 _FORWARD, _BACKWARD = "dcmha_compose_forward", "dcmha_compose_backward"
 _PROBS = "dcmha_decode_probs"
+_BLOCK_FORWARD, _BLOCK_BACKWARD = "dcmha_block_probs_forward", "dcmha_block_probs_backward"
+_QUERY, _QUERY_BACKWARD = "dcmha_query_matrix", "dcmha_query_matrix_backward"
+_DUMMY = np.zeros((1,), np.float32)
+_QUERY_TERMS, _KEY_TERMS = ("qw1", "qw2", "qdd", "static"), ("kw1", "kw2", "kdd")
 
 
 def _recipe():
@@ -48,6 +52,14 @@ def _build():
                                     platform="cpu")
         jax.ffi.register_ffi_target(_PROBS, jax.ffi.pycapsule(lib.DcmhaDecodeProbs),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(_QUERY, jax.ffi.pycapsule(lib.DcmhaQueryMatrix),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(_QUERY_BACKWARD,
+                                    jax.ffi.pycapsule(lib.DcmhaQueryMatrixBackward), platform="cpu")
+        jax.ffi.register_ffi_target(_BLOCK_FORWARD,
+                                    jax.ffi.pycapsule(lib.DcmhaBlockProbsForward), platform="cpu")
+        jax.ffi.register_ffi_target(_BLOCK_BACKWARD,
+                                    jax.ffi.pycapsule(lib.DcmhaBlockProbsBackward), platform="cpu")
     except Exception as e:      # noqa: BLE001 - any registration failure
         return cpu_kernel.fallback("compose_xla_ffi", f"registering the FFI targets failed: {e}")
     return True, None
@@ -80,11 +92,87 @@ _compose.defvjp(_compose_fwd, _compose_bwd)
 
 
 # ---------------------------------------------------------------------------
+# A stage's query factor from its query-side terms
+# ---------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _query_ffi(qw1, qw2, qdd, static, flags, shape):
+    return jax.ffi.ffi_call(_QUERY, jax.ShapeDtypeStruct(shape, jnp.float32))(
+        qw1, qw2, qdd, static, flags=np.int64(flags))
+
+
+def _query_ffi_fwd(qw1, qw2, qdd, static, flags, shape):
+    return _query_ffi(qw1, qw2, qdd, static, flags, shape), (qw1, qw2, qdd, static)
+
+
+def _query_ffi_bwd(flags, shape, res, g):
+    shapes = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in res]
+    return tuple(jax.ffi.ffi_call(_QUERY_BACKWARD, shapes)(*res, g, flags=np.int64(flags)))
+
+
+_query_ffi.defvjp(_query_ffi_fwd, _query_ffi_bwd)
+
+
+def _query_matrix(terms, M):
+    """``cpu_blocks.stage_arrays``' ``query_matrix``: ``dcmha.ops.query_compose_matrix`` as
+    one kernel call each way (``DcmhaQueryMatrix``) where a dynamic query-side term is
+    present (XLA runs the terms' products as batched matrix products of a few rows each,
+    slow in the backward); otherwise the plain one."""
+    if "qw1" not in terms and "qdd" not in terms:
+        return dops.query_compose_matrix(terms, M)
+    lead = (terms["qw1"] if "qw1" in terms else terms["qdd"]).shape[:3]       # (B, T, G)
+    names = [n for n in _QUERY_TERMS if n in terms]
+    args = [terms[n].astype(jnp.float32) if n in terms else _DUMMY for n in _QUERY_TERMS]
+    return _query_ffi(*args, cpu_kernel.cached_flags(names), (*lead, M, M))
+
+
+# ---------------------------------------------------------------------------
+# A training block's composes, mask and softmax in one call each way
+# ---------------------------------------------------------------------------
+
+def _block_attrs(vis, flags):
+    pre_flags, post_flags = flags
+    return dict(pre_flags=np.int64(pre_flags), post_flags=np.int64(post_flags),
+                has_vis=np.int64(vis is not None), masked=np.float32(spec_terms.MASKED_SCORE))
+
+
+def _vis_operand(vis):
+    return np.ones((1, 1, 1), bool) if vis is None else vis
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _block_probs(x, pre, post, vis, flags):
+    return _block_probs_fwd(x, pre, post, vis, flags)[0]
+
+
+def _block_probs_fwd(x, pre, post, vis, flags):
+    out, p = jax.ffi.ffi_call(_BLOCK_FORWARD, (jax.ShapeDtypeStruct(x.shape, jnp.float32),) * 2,
+                              vmap_method="sequential")(
+        x, *pre, *post, _vis_operand(vis), **_block_attrs(vis, flags))
+    return out, (x, p, pre, post, vis)
+
+
+def _block_probs_bwd(flags, res, g):
+    x, p, pre, post, vis = res
+    shapes = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (x, *pre, *post)]
+    dx, *grads = jax.ffi.ffi_call(_BLOCK_BACKWARD, shapes, vmap_method="sequential")(
+        x, p, g, *pre, *post, _vis_operand(vis), **_block_attrs(vis, flags))
+    return dx, tuple(grads[:4]), tuple(grads[4:]), None
+
+
+_block_probs.defvjp(_block_probs_fwd, _block_probs_bwd)
+
+
+def _probs(x, pre, post, vis, pre_flags, post_flags):
+    """``cpu_blocks.attention``'s ``probs``: a block's compose, masked softmax and compose
+    (``DcmhaBlockProbsForward``), differentiable by the kernel's backward."""
+    return _block_probs(x, tuple(pre), tuple(post), vis, (int(pre_flags), int(post_flags)))
+
+
+# ---------------------------------------------------------------------------
 # One query's composes and masked softmax, the key-side terms read from the decode cache
 # ---------------------------------------------------------------------------
 
-_DUMMY = np.zeros((1,), np.float32)
-_QUERY_TERMS, _KEY_TERMS = ("qw1", "qw2", "qdd", "static"), ("kw1", "kw2", "kdd")
 
 
 def _probs_ffi(x, mask, pre, post, M):
@@ -145,7 +233,8 @@ def decode_probs(x, mask, pre, post, M):
     return _decode_probs(x, mask, dict(pre or {}), dict(post or {}), M)
 
 
-_PATH = cpu_blocks.KernelPath(_build, lambda _: _compose)
+_PATH = cpu_blocks.KernelPath(
+    _build, lambda _: dict(compose=_compose, probs=_probs, query_matrix=_query_matrix))
 #: load() -> bool, unavailable_reason() -> str or None, and
 #: dcmha_attention(q, k, v, **kwargs): ``cpu_blocks.attention`` with this kernel.
 load, unavailable_reason, dcmha_attention = _PATH.load, _PATH.unavailable_reason, _PATH.attention

@@ -93,7 +93,7 @@ def _compose_with(module):
     return compose
 
 
-_PATH = cpu_blocks.KernelPath(_build, _compose_with)
+_PATH = cpu_blocks.KernelPath(_build, lambda module: dict(compose=_compose_with(module)))
 #: load() -> bool, unavailable_reason() -> str or None, and
 #: dcmha_attention(q, k, v, **kwargs): ``cpu_blocks.attention`` with this kernel.
 load, unavailable_reason, dcmha_attention = _PATH.load, _PATH.unavailable_reason, _PATH.attention

@@ -338,7 +338,8 @@ def test_library_without_the_symbols_falls_back(golden, libraries, cache):
     reason = (f"the compose library {path} lacks the symbols dcmha_compose_forward, "
               f"dcmha_compose_backward, dcmha_fill_args, dcmha_cached_scratch, "
               f"dcmha_cached_args, dcmha_compose_cached, dcmha_decode_probs, "
-              f"dcmha_dynamic_weights, dcmha_dynamic_finish, dcmha_args_layout, "
+              f"dcmha_dynamic_weights, dcmha_dynamic_finish, dcmha_block_probs_slices, "
+              f"dcmha_query_matrix, dcmha_query_matrix_backward, dcmha_args_layout, "
               f"dcmha_args_names")
     assert cpu_kernel.unavailable_reason() == reason
     assert given == [f"dcmha: the compiled CPU kernel (compose) is unavailable, so the slower "

@@ -50,7 +50,11 @@ lib, why = cpu_kernel.build_library(cpu_kernel.ffi_recipe(jax.ffi.include_dir(),
 if lib is None:
     print(json.dumps({"skip": why}))
     sys.exit(0)
-for n, fn in (("probe_forward", lib.DcmhaComposeForward), ("probe_probs", lib.DcmhaDecodeProbs)):
+for n, fn in (("probe_forward", lib.DcmhaComposeForward), ("probe_probs", lib.DcmhaDecodeProbs),
+              ("probe_block", lib.DcmhaBlockProbsForward),
+              ("probe_block_backward", lib.DcmhaBlockProbsBackward),
+              ("probe_query", lib.DcmhaQueryMatrix),
+              ("probe_query_backward", lib.DcmhaQueryMatrixBackward)):
     jax.ffi.register_ffi_target(n, jax.ffi.pycapsule(fn), platform="cpu")
 cases = json.loads(sys.argv[1])
 
@@ -75,12 +79,57 @@ def probs(query, kw, mask, pre_flags, has_mask=0):
 report("probs_query_short", lambda: probs((10,), (1,), (1,), 8))
 report("probs_kw_short", lambda: probs((1,), (1, 5, 2, 1, 1), (1,), 2))
 report("probs_mask_shape", lambda: probs((1,), (1,), (1, 7, 5), 0, has_mask=1))
+# BlockProbs: x (B, G, M, t, s) = (1, 2, 2, 3, 4); the pre stage's wq is 24 floats
+X = (1, 2, 2, 3, 4)
+def block(pre_wq, post_flags, vis, has_vis, pre_flags=1, outs=(X, X)):
+    d = z((1,))
+    shapes = tuple(jax.ShapeDtypeStruct(o, jnp.float32) for o in outs)
+    return jax.block_until_ready(jax.ffi.ffi_call("probe_block", shapes)(
+        z(X), z(pre_wq), d, d, d, z((5,)), d, d, d, jnp.ones(vis, bool),
+        pre_flags=np.int64(pre_flags), post_flags=np.int64(post_flags),
+        has_vis=np.int64(has_vis), masked=np.float32(-1e30)))
+report("block_no_stage", lambda: block((24,), 0, (1,), 0, pre_flags=0))
+report("block_pre_wq_short", lambda: block((23,), 0, (1,), 0))
+report("block_post_wq_short", lambda: block((24,), 1, (1,), 0))
+report("block_vis_shape", lambda: block((24,), 0, (1, 3, 5), 1))
+report("block_p_short", lambda: block((24,), 0, (1,), 0, outs=(X, (7,))))
+def block_backward(dpre_wq):
+    d = z((1,))
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32)
+              for s in (X, dpre_wq, (1,), (1,), (1,), (1,), (1,), (1,), (1,))]
+    return jax.block_until_ready(jax.ffi.ffi_call("probe_block_backward", shapes)(
+        z(X), z(X), z(X), z((24,)), d, d, d, d, d, d, d, jnp.ones((1,), bool),
+        pre_flags=np.int64(1), post_flags=np.int64(0), has_vis=np.int64(0),
+        masked=np.float32(-1e30)))
+report("block_grad_short", lambda: block_backward((3,)))
+# QueryMatrix: wq (B, T, G, M, M) = (1, 3, 2, 2, 2); qw1, qw2 (B, T, G, R, M) = 12 R floats
+def query(qw1, qdd, flags, wq=(1, 3, 2, 2, 2)):
+    return jax.block_until_ready(jax.ffi.ffi_call(
+        "probe_query", jax.ShapeDtypeStruct(wq, jnp.float32))(
+            z(qw1), z(qw1), z(qdd), z((1,)), flags=np.int64(flags)))
+report("query_qw_short", lambda: query((1, 3, 2, 2, 1), (1,), 8))
+report("query_qdd_short", lambda: query((1,), (5,), 16))
+report("query_wq_not_square", lambda: query((1,), (12,), 16, wq=(1, 3, 2, 2, 3)))
+report("query_grad_short", lambda: jax.block_until_ready(jax.ffi.ffi_call(
+    "probe_query_backward", [jax.ShapeDtypeStruct(s, jnp.float32)
+                             for s in ((1,), (1,), (3,), (1,))])(
+        z((1,)), z((1,)), z((1, 3, 2, 2)), z((1,)), z((1, 3, 2, 2, 2)), flags=np.int64(16))))
 """
 
 JAX_EXTRA = {"out_short": "the result and g must have x's shape",
              "probs_query_short": "query-side terms are shorter",
              "probs_kw_short": "kw1 and kw2 must be (B, S, G, R, M)",
-             "probs_mask_shape": "mask must be (B|1, N|1, S|1)"}
+             "probs_mask_shape": "mask must be (B|1, N|1, S|1)",
+             "block_no_stage": "at least one stage must have a term",
+             "block_pre_wq_short": "wq must be (B, t, G, M, M)",
+             "block_post_wq_short": "wq must be (B, t, G, M, M)",
+             "block_vis_shape": "vis must be (1|B, t, s)",
+             "block_p_short": "the result and g must have x's shape",
+             "block_grad_short": "each term's gradient must have the term's shape",
+             "query_qw_short": "qw1 and qw2 must be (B, T, G, R, M)",
+             "query_qdd_short": "qdd must be (B, T, G, M)",
+             "query_wq_not_square": "wq must be (B, T, G, M, M)",
+             "query_grad_short": "each term's gradient must have the term's shape"}
 
 TF_CHILD = REPORT + r"""
 import json, sys
