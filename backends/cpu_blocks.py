@@ -235,8 +235,10 @@ def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, c
         vis = dops.block_mask(mask, t0, t1, s0, s1, use_causal_mask=causal,
                                sliding_window=sliding_window, query_offset=query_offset)
         if probs is not None and (stages[0] or stages[1]):
+            # a causal mask alone is the kernel's causal bits: no mask array to read
+            extra = vis is not None and (mask is not None or sliding_window is not None)
             p = probs(x, *(_block_terms(st and st[0], i, j0, j1) for st in stages),
-                      None if vis is None else ops.broadcast_to(vis, (vis.shape[0], t, s)),
+                      ops.broadcast_to(vis, (vis.shape[0], t, s)) if extra else None,
                       *((st[1] | causal_bits) if st else 0 for st in stages))
         else:
             p = _probs_block(compose, x, stages, vis, causal_bits, i, j0, j1)

@@ -667,7 +667,16 @@ INLINE vf vexp(vf x) {
 static void softmax_row(float *row, int64_t S) {
     const int64_t sv = S - S % VL;
     float mx = -INFINITY;
-    for (int64_t s = 0; s < S; s++) mx = row[s] > mx ? row[s] : mx;
+    if (sv) {                                 /* the maximum, VL lanes at a time */
+        vf vm = LD(row);
+        for (int64_t s = VL; s < sv; s += VL) {
+            const vf v = LD(row + s);
+            const vi gt = v > vm;
+            vm = (vf)(((vi)v & gt) | ((vi)vm & ~gt));
+        }
+        for (int l = 0; l < VL; l++) mx = vm[l] > mx ? vm[l] : mx;
+    }
+    for (int64_t s = sv; s < S; s++) mx = row[s] > mx ? row[s] : mx;
     vf sum = {0};
     for (int64_t s = 0; s < sv; s += VL) {
         const vf e = vexp(LD(row + s) - mx);
@@ -806,11 +815,17 @@ static void block_softmax(float *x, int64_t M, int64_t t, int64_t s, const uint8
         for (int64_t i = 0; i < t; i++) {
             float *row = x + (m * t + i) * s;
             const int64_t n = visible_keys(c, i, s);
+            /* the softmax runs over whole vectors where the row has room: the keys from n
+               to the vector's end get -inf, so exactly 0 (a scalar tail costs more) */
+            int64_t e = (n + VL - 1) / VL * VL;
+            e = e < s ? e : s;
             if (vis)
                 for (int64_t j = 0; j < n; j++)
                     if (!vis[i * s + j]) row[j] = masked;
-            if (n > 0) softmax_row(row, n);
-            if (n < s) memset(row + n, 0, sizeof(float) * (size_t)(s - n));
+            for (int64_t j = n; j < e; j++) row[j] = -INFINITY;
+            if (n > 0) softmax_row(row, e);
+            else e = 0;
+            if (e < s) memset(row + e, 0, sizeof(float) * (size_t)(s - e));
         }
 }
 

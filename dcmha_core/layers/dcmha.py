@@ -21,7 +21,7 @@ import numpy as np
 import keras
 from keras import ops
 
-from dcmha import framework
+from dcmha import allocator, framework
 from dcmha import ops as dops
 from dcmha import registry
 from dcmha.call import shape_of as _shape
@@ -595,6 +595,8 @@ class DCMHA(keras.layers.Layer):
                              f"key_shape={key_shape}")
         self._layout = _AxesLayout.create(len(query_shape), self.attention_axes)
         self._layout.check_batch_axes(query_shape, value_shape)
+        if framework.device() == "cpu":          # steps reuse their memory (allocator doc)
+            allocator.keep_step_memory()
         c = self._cfg
         D_q, D_k, D_v = query_shape[-1], key_shape[-1], value_shape[-1]
         if self._slots and not c.cross_attention and D_q != D_k:

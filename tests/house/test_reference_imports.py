@@ -38,9 +38,10 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS = [
     ("spec", ("dcmha.spec",),
      "the NumPy truth every implementation is checked against; imports no framework"),
-    ("framework", ("dcmha.framework", "dcmha._keras_backend"),
-     "the framework seam (what differs per Keras backend) and the choice of the Keras "
-     "backend; fast paths provide their kernels to the seam instead of it importing them"),
+    ("framework", ("dcmha.framework", "dcmha._keras_backend", "dcmha.allocator"),
+     "the framework seam (what differs per Keras backend), the choice of the Keras "
+     "backend and the C allocator's settings for a CPU process; fast paths provide their "
+     "kernels to the seam instead of it importing them"),
     ("files", ("dcmha.checkpoints",),
      "readers of the official checkpoint files, NumPy only"),
     ("contract", ("dcmha.call", "dcmha.registry"),
