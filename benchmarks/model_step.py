@@ -7,7 +7,10 @@ it on, i.e. with a GPU), AdamW and sparse cross-entropy on logits, then ``fit`` 
 ``--steps`` steps of random token windows per round. The models alternate round by
 round in one process (``--repeats`` rounds after two warm-up rounds each); a figure
 is the median time per step over the rounds, with the range of the rounds, and the
-median process CPU time per step (all threads), which other load disturbs less.
+median process CPU time per step (all threads), which other load disturbs less. A round
+is timed from the call to ``fit`` to its ``on_train_end``: after that TensorFlow tears
+down the call's data iterator, which takes 2 ms or, at random, 120-300 ms with either
+model, a cost per ``fit`` call that an epoch of many steps does not pay per step.
 
 Beside each measured ratio stands the analytic FLOP ratio of the two models, the
 floor a step could reach: every token-wise product (projections, dynamic weights,
@@ -118,10 +121,20 @@ def flops(model, shape):
 
 
 def _fit_seconds(model, x, y, batch):
-    """(wall, process CPU) seconds of one ``fit`` over x, y."""
+    """(wall, process CPU) seconds of one ``fit`` over x, y, from the call to its
+    ``on_train_end``: what ``fit`` does after it (TensorFlow tears down its data iterator
+    there, 120-300 ms of a call at random for either model) is not a training step's."""
+    import keras
+
+    end = {}
+
+    class _End(keras.callbacks.Callback):
+        def on_train_end(self, logs=None):
+            end["wall"], end["cpu"] = time.perf_counter(), time.process_time()
+
     t0, c0 = time.perf_counter(), time.process_time()
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-    return time.perf_counter() - t0, time.process_time() - c0
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[_End()])
+    return end["wall"] - t0, end["cpu"] - c0
 
 
 def _forward_seconds(model, x):

@@ -51,6 +51,89 @@ static const char *dcmha_terms_problem(const int64_t *d, int64_t R, int64_t n_wq
     return nullptr;
 }
 
+/* One stage's terms as a wrapper received them: kw1's rank (0 when kw1 is not 5-D) and each
+   term's element count. */
+struct DcmhaTermSizes {
+    int64_t R, n_wq, n_kw1, n_kw2, n_kdd;
+};
+
+/* The term bits of a stage's flags (none: the stage is absent from a block's probabilities). */
+static const int64_t DCMHA_TERM_BITS = DCMHA_HAS_WQ | DCMHA_HAS_KW | DCMHA_HAS_KDD;
+
+/* Why a training block's arrays do not fit x (B, G, M, t, s) = d (nullptr: they do): at least
+   one stage present, each present stage's terms (dcmha_terms_problem), the arrays of x's
+   size counted in `same` (the results, p, g), and vis (vis_rank dims vis_dims) (1|B, t, s)
+   when has_vis. */
+static const char *dcmha_block_problem(const int64_t *d, int64_t n_x, const DcmhaTermSizes &pre,
+                                       const DcmhaTermSizes &post, int64_t pre_flags,
+                                       int64_t post_flags, int64_t has_vis, int64_t vis_rank,
+                                       const int64_t *vis_dims,
+                                       std::initializer_list<int64_t> same) {
+    if (!(pre_flags & DCMHA_TERM_BITS) && !(post_flags & DCMHA_TERM_BITS))
+        return "dcmha block probabilities: at least one stage must have a term";
+    for (int64_t n : same)
+        if (n != n_x) return "dcmha compose: the result and g must have x's shape (B, G, M, t, s)";
+    const DcmhaTermSizes *stages[2] = {&pre, &post};
+    const int64_t flags[2] = {pre_flags, post_flags};
+    for (int i = 0; i < 2; i++) {
+        const DcmhaTermSizes &t = *stages[i];
+        if (!(flags[i] & DCMHA_TERM_BITS)) continue;
+        if (const char *why = dcmha_terms_problem(d, t.R, t.n_wq, t.n_kw1, t.n_kw2, t.n_kdd,
+                                                  flags[i]))
+            return why;
+    }
+    if (has_vis && (vis_rank != 3 || (vis_dims[0] != 1 && vis_dims[0] != d[0]) ||
+                    vis_dims[1] != d[3] || vis_dims[2] != d[4]))
+        return "dcmha block probabilities: vis must be (1|B, t, s) for x (B, G, M, t, s)";
+    return nullptr;
+}
+
+/* Why a stage's query-side terms do not fit its query factor wq (B, T, G, M, M) = d (nd dims)
+   (nullptr: they do): qw1, qw2 (B, T, G, R, M) (qw1's dims q, nq of them), qdd (B, T, G, M)
+   and st (G, M, M), those present by flags (DCMHA_HAS_QW / QDD / STATIC), each counted in
+   n[0..3]; the gradients, if any, counted in `grads` (the terms' order). *R: qw1's rank. */
+static const char *dcmha_query_problem(const int64_t *d, size_t nd, const int64_t *q, size_t nq,
+                                       const int64_t n[4], int64_t flags, int64_t *R,
+                                       std::initializer_list<int64_t> grads) {
+    if (nd != 5 || d[3] != d[4]) return "dcmha query factor: wq must be (B, T, G, M, M)";
+    const int64_t B = d[0], T = d[1], G = d[2], M = d[3];
+    *R = 1;
+    if (flags & DCMHA_HAS_QW) {
+        *R = nq == 5 ? q[3] : 0;
+        if (*R < 1 || !dcmha_count_is(n[0], {B, T, G, *R, M}) || n[1] != n[0])
+            return "dcmha query factor: qw1 and qw2 must be (B, T, G, R, M) for wq "
+                   "(B, T, G, M, M)";
+    }
+    if ((flags & DCMHA_HAS_QDD) && !dcmha_count_is(n[2], {B, T, G, M}))
+        return "dcmha query factor: qdd must be (B, T, G, M) for wq (B, T, G, M, M)";
+    if ((flags & DCMHA_HAS_STATIC) && !dcmha_count_is(n[3], {G, M, M}))
+        return "dcmha query factor: static must be (G, M, M) for wq (B, T, G, M, M)";
+    int i = 0;
+    for (int64_t g : grads)
+        if (g != n[i++]) return "dcmha query factor: each term's gradient must have the term's shape";
+    return nullptr;
+}
+
+/* dcmha_query_matrix (backward = 0: wq from the terms) or dcmha_query_matrix_backward (the
+   terms' gradients, zeroed first, from dwq) over the arrays t[0..3] = qw1, qw2, qdd, st and
+   their gradients dt[0..3] (counted in n), wq (B, T, G, M, M) = d, those absent by flags
+   neither read nor written. */
+static void dcmha_query_run(const int64_t *d, int64_t R, const float *const t[4], float *wq,
+                            const float *dwq, float *const dt[4], const int64_t n[4],
+                            int64_t flags, int backward) {
+    const bool qw = flags & DCMHA_HAS_QW, qdd = flags & DCMHA_HAS_QDD,
+               st = flags & DCMHA_HAS_STATIC;
+    if (!backward) {
+        dcmha_query_matrix(d[0], d[1], d[2], d[3], R, qw ? t[0] : nullptr, qw ? t[1] : nullptr,
+                           qdd ? t[2] : nullptr, st ? t[3] : nullptr, wq, 0);
+        return;
+    }
+    for (int i = 0; i < 4; i++) std::memset(dt[i], 0, n[i] * sizeof(float));
+    dcmha_query_matrix_backward(d[0], d[1], d[2], d[3], R, t[0], t[1], dwq,
+                                qw ? dt[0] : nullptr, qw ? dt[1] : nullptr,
+                                qdd ? dt[2] : nullptr, st ? dt[3] : nullptr);
+}
+
 static void dcmha_fill(Args &a, const int64_t *d, int64_t R, const float *x, const float *wq,
                        const float *kw1, const float *kw2, const float *kdd, int64_t flags) {
     dcmha_fill_args(&a, d, R, x, wq, kw1, kw2, kdd, flags);
@@ -172,6 +255,16 @@ struct DcmhaBlockProbs {
     int64_t vis_b = 1;
     float masked = 0.0f;
 };
+
+/* A block's stage Args from its terms (those flags has); false (the stage absent) when flags
+   has no term bit. d: x's dims. */
+static bool dcmha_block_stage(Args &a, const int64_t *d, int64_t R, const float *x,
+                              const float *wq, const float *kw1, const float *kw2,
+                              const float *kdd, int64_t flags) {
+    if (!(flags & DCMHA_TERM_BITS)) return false;
+    dcmha_fill(a, d, R, x, wq, kw1, kw2, kdd, flags);
+    return true;
+}
 
 template <typename Schedule>
 static int dcmha_block_probs_split(const DcmhaBlockProbs &j, int backward, int64_t threads,

@@ -2,8 +2,11 @@
    tf.load_op_library): DcmhaComposeForward(x, wq, kw1, kw2, kdd; flags) -> out and
    DcmhaComposeBackward(x, g, wq, kw1, kw2, kdd; flags) -> (dx, dwq, dkw1, dkw2, dkdd), the
    same arrays as the XLA FFI handlers (compose_wrap.h), each split over the device's CPU
-   worker threads by (b, g) slices (dcmha_compose_split); and DcmhaDynamicWeights, a decoding
-   step's dynamic weights (dcmha_dynamic_weights), split into its slots.
+   worker threads by (b, g) slices (dcmha_compose_split); DcmhaBlockProbsForward / Backward
+   and DcmhaQueryMatrix / Backward, a training block's compose / masked softmax / compose
+   and a stage's query factor, forward and backward, as xla_ffi.cc's handlers of the same
+   names; and DcmhaDynamicWeights, a decoding step's dynamic weights
+   (dcmha_dynamic_weights), split into its slots.
 
    Compiles on its own with TensorFlow's flags:
    c++ -std=c++17 -w $(python -c 'import tensorflow as tf;
@@ -12,6 +15,7 @@
 
 #include <functional>
 #include <utility>
+#include <vector>
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -127,6 +131,207 @@ class DcmhaComposeBackwardOp : public DcmhaComposeOp {
     }
 };
 
+/* ---- A training block's probabilities (dcmha_block_probs_slices) and a stage's query
+   factor (dcmha_query_matrix), as the XLA FFI handlers of the same names compute them ---- */
+
+REGISTER_OP("DcmhaBlockProbsForward")
+    .Input("x: float")
+    .Input("pre_wq: float").Input("pre_kw1: float").Input("pre_kw2: float")
+    .Input("pre_kdd: float")
+    .Input("post_wq: float").Input("post_kw1: float").Input("post_kw2: float")
+    .Input("post_kdd: float").Input("vis: bool")
+    .Output("out: float").Output("p: float")
+    .Attr("pre_flags: int").Attr("post_flags: int").Attr("has_vis: int").Attr("masked: float")
+    .SetShapeFn([](shape_inference::InferenceContext *c) {
+        c->set_output(0, c->input(0));
+        c->set_output(1, c->input(0));
+        return absl::OkStatus();
+    });
+
+REGISTER_OP("DcmhaBlockProbsBackward")
+    .Input("x: float").Input("p: float").Input("g: float")
+    .Input("pre_wq: float").Input("pre_kw1: float").Input("pre_kw2: float")
+    .Input("pre_kdd: float")
+    .Input("post_wq: float").Input("post_kw1: float").Input("post_kw2: float")
+    .Input("post_kdd: float").Input("vis: bool")
+    .Output("dx: float")
+    .Output("dpre_wq: float").Output("dpre_kw1: float").Output("dpre_kw2: float")
+    .Output("dpre_kdd: float")
+    .Output("dpost_wq: float").Output("dpost_kw1: float").Output("dpost_kw2: float")
+    .Output("dpost_kdd: float")
+    .Attr("pre_flags: int").Attr("post_flags: int").Attr("has_vis: int").Attr("masked: float")
+    .SetShapeFn([](shape_inference::InferenceContext *c) {
+        c->set_output(0, c->input(0));
+        for (int i = 1; i < 9; i++) c->set_output(i, c->input(i + 2));
+        return absl::OkStatus();
+    });
+
+/* Both block ops: x at input 0, the stages' 8 terms from input `terms`, vis after them. */
+class DcmhaBlockProbsOp : public OpKernel {
+  public:
+    explicit DcmhaBlockProbsOp(OpKernelConstruction *c) : OpKernel(c) {
+        for (auto [name, field] : {std::pair{"pre_flags", &pre_flags_},
+                                   {"post_flags", &post_flags_}, {"has_vis", &has_vis_}})
+            OP_REQUIRES_OK(c, c->GetAttr(name, field));
+        OP_REQUIRES_OK(c, c->GetAttr("masked", &masked_));
+    }
+  protected:
+    static DcmhaTermSizes sizes(OpKernelContext *c, int first) {
+        const Tensor &kw1 = c->input(first + 1);
+        return {kw1.dims() == 5 ? kw1.dim_size(2) : 0, c->input(first).NumElements(),
+                kw1.NumElements(), c->input(first + 2).NumElements(),
+                c->input(first + 3).NumElements()};
+    }
+    /* The job for x and the terms; false, with the op failed, when they do not fit (the
+       arrays of x's size counted in `same`). */
+    bool job(OpKernelContext *c, int terms, DcmhaBlockProbs &j,
+             std::initializer_list<int64_t> same) const {
+        const Tensor &x = c->input(0), &vis = c->input(terms + 8);
+        if (x.dims() != 5) {
+            c->SetStatus(errors::InvalidArgument("dcmha compose: x must be (B, G, M, t, s)"));
+            return false;
+        }
+        int64_t d[5], v[3] = {0, 0, 0};
+        for (int i = 0; i < 5; i++) d[i] = x.dim_size(i);
+        for (int i = 0; i < vis.dims() && i < 3; i++) v[i] = vis.dim_size(i);
+        const DcmhaTermSizes pre = sizes(c, terms), post = sizes(c, terms + 4);
+        if (const char *why = dcmha_block_problem(d, x.NumElements(), pre, post, pre_flags_,
+                                                  post_flags_, has_vis_, vis.dims(), v, same)) {
+            c->SetStatus(errors::InvalidArgument(why));
+            return false;
+        }
+        auto in = [c](int i) { return c->input(i).flat<float>().data(); };
+        j.has_pre = dcmha_block_stage(j.pre, d, pre.R ? pre.R : 1, in(0), in(terms),
+                                      in(terms + 1), in(terms + 2), in(terms + 3), pre_flags_);
+        j.has_post = dcmha_block_stage(j.post, d, post.R ? post.R : 1, in(0), in(terms + 4),
+                                       in(terms + 5), in(terms + 6), in(terms + 7),
+                                       post_flags_);
+        j.x = in(0);
+        if (has_vis_) {
+            j.vis = reinterpret_cast<const uint8_t *>(vis.flat<bool>().data());
+            j.vis_b = v[0];
+        }
+        j.masked = masked_;
+        return true;
+    }
+    static int run(OpKernelContext *c, const DcmhaBlockProbs &j, int backward) {
+        const auto *workers = c->device()->tensorflow_cpu_worker_threads();
+        const int64_t threads = workers && workers->workers ? workers->num_threads : 0;
+        return dcmha_block_probs_split(j, backward, threads,
+                                       [workers](std::function<void()> task) {
+                                           workers->workers->Schedule(std::move(task));
+                                       });
+    }
+    int64_t pre_flags_, post_flags_, has_vis_;
+    float masked_;
+};
+
+class DcmhaBlockProbsForwardOp : public DcmhaBlockProbsOp {
+  public:
+    using DcmhaBlockProbsOp::DcmhaBlockProbsOp;
+    void Compute(OpKernelContext *c) override {
+        DcmhaBlockProbs j;
+        if (!job(c, 1, j, {})) return;
+        Tensor *out = nullptr, *p = nullptr;
+        OP_REQUIRES_OK(c, c->allocate_output(0, c->input(0).shape(), &out));
+        OP_REQUIRES_OK(c, c->allocate_output(1, c->input(0).shape(), &p));
+        j.out = out->flat<float>().data();
+        j.p = p->flat<float>().data();
+        OP_REQUIRES(c, run(c, j, 0) == 0,
+                    errors::ResourceExhausted("dcmha compose: out of memory"));
+    }
+};
+
+class DcmhaBlockProbsBackwardOp : public DcmhaBlockProbsOp {
+  public:
+    using DcmhaBlockProbsOp::DcmhaBlockProbsOp;
+    void Compute(OpKernelContext *c) override {
+        DcmhaBlockProbs j;
+        if (!job(c, 3, j, {c->input(1).NumElements(), c->input(2).NumElements()})) return;
+        Tensor *outs[9];       /* dx like x, the term gradients like the terms (inputs 3-10) */
+        for (int i = 0; i < 9; i++)
+            OP_REQUIRES_OK(c, c->allocate_output(i, c->input(i == 0 ? 0 : i + 2).shape(),
+                                                 &outs[i]));
+        Args *stages[2] = {&j.pre, &j.post};
+        const int64_t flags[2] = {pre_flags_ & DCMHA_TERM_BITS, post_flags_ & DCMHA_TERM_BITS};
+        for (int i = 0; i < 2; i++) {
+            Tensor **d = outs + 1 + 4 * i;
+            dcmha_grads(*stages[i], d[0]->flat<float>().data(), d[0]->NumElements(),
+                        d[1]->flat<float>().data(), d[2]->flat<float>().data(),
+                        d[1]->NumElements(), d[3]->flat<float>().data(), d[3]->NumElements(),
+                        flags[i]);
+        }
+        j.p = const_cast<float *>(c->input(1).flat<float>().data());
+        j.g = c->input(2).flat<float>().data();
+        j.dx = outs[0]->flat<float>().data();
+        OP_REQUIRES(c, run(c, j, 1) == 0,
+                    errors::ResourceExhausted("dcmha compose: out of memory"));
+    }
+};
+
+REGISTER_OP("DcmhaQueryMatrix")
+    .Input("qw1: float").Input("qw2: float").Input("qdd: float").Input("static: float")
+    .Output("wq: float").Attr("flags: int").Attr("shape: list(int)")
+    .SetShapeFn([](shape_inference::InferenceContext *c) {
+        std::vector<int64_t> shape;
+        TF_RETURN_IF_ERROR(c->GetAttr("shape", &shape));
+        std::vector<shape_inference::DimensionHandle> dims;
+        for (int64_t n : shape) dims.push_back(c->MakeDim(n));
+        c->set_output(0, c->MakeShape(dims));
+        return absl::OkStatus();
+    });
+
+REGISTER_OP("DcmhaQueryMatrixBackward")
+    .Input("qw1: float").Input("qw2: float").Input("qdd: float").Input("static: float")
+    .Input("dwq: float")
+    .Output("dqw1: float").Output("dqw2: float").Output("dqdd: float").Output("dstatic: float")
+    .Attr("flags: int")
+    .SetShapeFn([](shape_inference::InferenceContext *c) { return same_shapes(c, 0); });
+
+/* Both query ops: wq (B, T, G, M, M) is the "shape" attribute (forward) or dwq's shape. */
+class DcmhaQueryMatrixOp : public OpKernel {
+  public:
+    explicit DcmhaQueryMatrixOp(OpKernelConstruction *c) : OpKernel(c) {
+        OP_REQUIRES_OK(c, c->GetAttr("flags", &flags_));
+        if (c->HasAttr("shape")) OP_REQUIRES_OK(c, c->GetAttr("shape", &shape_));
+    }
+    void Compute(OpKernelContext *c) override {
+        const bool backward = shape_.empty();
+        std::vector<int64_t> d = shape_;
+        if (backward)
+            for (int i = 0; i < c->input(4).dims(); i++) d.push_back(c->input(4).dim_size(i));
+        const Tensor &qw1 = c->input(0);
+        int64_t q[5] = {0, 0, 0, 0, 0}, n[4], R;
+        for (int i = 0; i < qw1.dims() && i < 5; i++) q[i] = qw1.dim_size(i);
+        for (int i = 0; i < 4; i++) n[i] = c->input(i).NumElements();
+        const char *why = dcmha_query_problem(d.data(), d.size(), q, qw1.dims(), n, flags_, &R,
+                                              {});
+        OP_REQUIRES(c, why == nullptr, errors::InvalidArgument(why ? why : ""));
+        const float *t[4];
+        for (int i = 0; i < 4; i++) t[i] = c->input(i).flat<float>().data();
+        float *dt[4] = {nullptr, nullptr, nullptr, nullptr};
+        Tensor *wq = nullptr;
+        if (backward) {
+            for (int i = 0; i < 4; i++) {
+                Tensor *o = nullptr;
+                OP_REQUIRES_OK(c, c->allocate_output(i, c->input(i).shape(), &o));
+                dt[i] = o->flat<float>().data();
+            }
+        } else {
+            TensorShape shape;
+            for (int64_t k : d) shape.AddDim(k);
+            OP_REQUIRES_OK(c, c->allocate_output(0, shape, &wq));
+        }
+        dcmha_query_run(d.data(), R, t, wq ? wq->flat<float>().data() : nullptr,
+                        backward ? c->input(4).flat<float>().data() : nullptr, dt, n, flags_,
+                        backward);
+    }
+
+  private:
+    int64_t flags_;
+    std::vector<int64_t> shape_;
+};
+
 /* A decoding step's dynamic weights (dcmha_dynamic_weights), one output per slot: x (...,
    D) (BL rows); dw1 (D, G C K), qkw (G C, K, 2 rank, M) and dd (D, G C M), 1-element
    dummies where has_projection / has_gating is 0 -> the lists w1, w2 (c arrays (..., G,
@@ -236,5 +441,11 @@ class DcmhaDynamicWeightsOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("DcmhaComposeForward").Device(DEVICE_CPU), DcmhaComposeForwardOp);
 REGISTER_KERNEL_BUILDER(Name("DcmhaComposeBackward").Device(DEVICE_CPU), DcmhaComposeBackwardOp);
 REGISTER_KERNEL_BUILDER(Name("DcmhaDynamicWeights").Device(DEVICE_CPU), DcmhaDynamicWeightsOp);
+REGISTER_KERNEL_BUILDER(Name("DcmhaBlockProbsForward").Device(DEVICE_CPU),
+                        DcmhaBlockProbsForwardOp);
+REGISTER_KERNEL_BUILDER(Name("DcmhaBlockProbsBackward").Device(DEVICE_CPU),
+                        DcmhaBlockProbsBackwardOp);
+REGISTER_KERNEL_BUILDER(Name("DcmhaQueryMatrix").Device(DEVICE_CPU), DcmhaQueryMatrixOp);
+REGISTER_KERNEL_BUILDER(Name("DcmhaQueryMatrixBackward").Device(DEVICE_CPU), DcmhaQueryMatrixOp);
 
 DCMHA_DEFINE_ARGS_LAYOUT(dcmha_cxx_args_layout, dcmha_cxx_args_names)

@@ -86,109 +86,79 @@ static ffi::Error Backward(ffi::ThreadPool pool, F32 x, F32 g, F32 wq, F32 kw1, 
 
 /* ---- The query factor of a stage (compose.c's dcmha_query_matrix) and its backward ---- */
 
-/* Why qw1, qw2 (B, T, G, R, M), qdd (B, T, G, M) and st (G, M, M) (those present by flags:
-   DCMHA_HAS_QW / QDD / STATIC) do not fit wq (B, T, G, M, M) = d, with the gradients (same
-   shapes as the terms) in `grads` (nullptr: they fit). R: qw1's rank, 1 without it. */
-static const char *query_problem(const int64_t *d, size_t nd, F32 qw1, F32 qw2, F32 qdd,
-                                 F32 st, int64_t flags, int64_t *R,
-                                 std::initializer_list<size_t> grads) {
-    if (nd != 5 || d[3] != d[4]) return "dcmha query factor: wq must be (B, T, G, M, M)";
-    const int64_t B = d[0], T = d[1], G = d[2], M = d[3];
-    *R = 1;
-    if (flags & DCMHA_HAS_QW) {
-        const auto &q = qw1.dimensions();
-        *R = q.size() == 5 ? q[3] : 0;
-        if (*R < 1 || !dcmha_count_is(qw1.element_count(), {B, T, G, *R, M}) ||
-            qw2.element_count() != qw1.element_count())
-            return "dcmha query factor: qw1 and qw2 must be (B, T, G, R, M) for wq "
-                   "(B, T, G, M, M)";
-    }
-    if ((flags & DCMHA_HAS_QDD) && !dcmha_count_is(qdd.element_count(), {B, T, G, M}))
-        return "dcmha query factor: qdd must be (B, T, G, M) for wq (B, T, G, M, M)";
-    if ((flags & DCMHA_HAS_STATIC) && !dcmha_count_is(st.element_count(), {G, M, M}))
-        return "dcmha query factor: static must be (G, M, M) for wq (B, T, G, M, M)";
-    const F32 *terms[4] = {&qw1, &qw2, &qdd, &st};
-    size_t i = 0;
-    for (size_t n : grads)
-        if (n != terms[i++]->element_count())
-            return "dcmha query factor: each term's gradient must have the term's shape";
-    return nullptr;
+/* dcmha_query_problem and dcmha_query_run over the FFI buffers. */
+static ffi::Error query(F32 qw1, F32 qw2, F32 qdd, F32 st, const int64_t *d, size_t nd,
+                        float *wq, const float *dwq, Out *grads, int64_t flags) {
+    const int64_t n[4] = {(int64_t)qw1.element_count(), (int64_t)qw2.element_count(),
+                          (int64_t)qdd.element_count(), (int64_t)st.element_count()};
+    int64_t R;
+    const char *why = grads
+        ? dcmha_query_problem(d, nd, qw1.dimensions().begin(), qw1.dimensions().size(), n,
+                              flags, &R, {(int64_t)grads[0]->element_count(),
+                                          (int64_t)grads[1]->element_count(),
+                                          (int64_t)grads[2]->element_count(),
+                                          (int64_t)grads[3]->element_count()})
+        : dcmha_query_problem(d, nd, qw1.dimensions().begin(), qw1.dimensions().size(), n,
+                              flags, &R, {});
+    if (why) return ffi::Error::InvalidArgument(why);
+    const float *t[4] = {qw1.typed_data(), qw2.typed_data(), qdd.typed_data(), st.typed_data()};
+    float *dt[4] = {nullptr, nullptr, nullptr, nullptr};
+    if (grads)
+        for (int i = 0; i < 4; i++) dt[i] = grads[i]->typed_data();
+    dcmha_query_run(d, R, t, wq, dwq, dt, n, flags, grads != nullptr);
+    return ffi::Error::Success();
 }
 
 /* qw1, qw2, qdd, st (1-element dummies where flags lack them) -> wq (B, T, G, M, M). */
 static ffi::Error QueryMatrix(F32 qw1, F32 qw2, F32 qdd, F32 st, Out wq, int64_t flags) {
-    int64_t R;
     const auto &d = wq->dimensions();
-    if (const char *why = query_problem(d.begin(), d.size(), qw1, qw2, qdd, st, flags, &R, {}))
-        return ffi::Error::InvalidArgument(why);
-    dcmha_query_matrix(d[0], d[1], d[2], d[3], R,
-                       (flags & DCMHA_HAS_QW) ? qw1.typed_data() : nullptr,
-                       (flags & DCMHA_HAS_QW) ? qw2.typed_data() : nullptr,
-                       (flags & DCMHA_HAS_QDD) ? qdd.typed_data() : nullptr,
-                       (flags & DCMHA_HAS_STATIC) ? st.typed_data() : nullptr,
-                       wq->typed_data(), 0);
-    return ffi::Error::Success();
+    return query(qw1, qw2, qdd, st, d.begin(), d.size(), wq->typed_data(), nullptr, nullptr,
+                 flags);
 }
 
 /* qw1, qw2, qdd, st and dwq = dL/dwq -> their gradients (zeros for an absent term). */
 static ffi::Error QueryMatrixBackward(F32 qw1, F32 qw2, F32 qdd, F32 st, F32 dwq, Out dqw1,
                                       Out dqw2, Out dqdd, Out dst, int64_t flags) {
-    int64_t R;
+    Out grads[4] = {dqw1, dqw2, dqdd, dst};
     const auto &d = dwq.dimensions();
-    if (const char *why = query_problem(d.begin(), d.size(), qw1, qw2, qdd, st, flags, &R,
-                                        {dqw1->element_count(), dqw2->element_count(),
-                                         dqdd->element_count(), dst->element_count()}))
-        return ffi::Error::InvalidArgument(why);
-    Out outs[4] = {dqw1, dqw2, dqdd, dst};
-    for (auto &o : outs) std::memset(o->typed_data(), 0, o->element_count() * sizeof(float));
-    dcmha_query_matrix_backward(d[0], d[1], d[2], d[3], R, qw1.typed_data(), qw2.typed_data(),
-                                dwq.typed_data(),
-                                (flags & DCMHA_HAS_QW) ? dqw1->typed_data() : nullptr,
-                                (flags & DCMHA_HAS_QW) ? dqw2->typed_data() : nullptr,
-                                (flags & DCMHA_HAS_QDD) ? dqdd->typed_data() : nullptr,
-                                (flags & DCMHA_HAS_STATIC) ? dst->typed_data() : nullptr);
-    return ffi::Error::Success();
+    return query(qw1, qw2, qdd, st, d.begin(), d.size(), nullptr, dwq.typed_data(), grads,
+                 flags);
 }
 
 /* ---- A training block's probabilities (compose.c's dcmha_block_probs_slices) ---- */
 
-/* The term bits of a stage's flags (none: the stage is absent). */
-static const int64_t kTermBits = DCMHA_HAS_WQ | DCMHA_HAS_KW | DCMHA_HAS_KDD;
 using Pred = ffi::Buffer<ffi::PRED>;
 
-/* Why the block's arrays do not fit x (B, G, M, t, s) (nullptr: they do): each present
-   stage's terms as Forward's, the arrays of x's size in `same`, vis (1|B, t, s) when has_vis. */
+static DcmhaTermSizes sizes(F32 wq, F32 kw1, F32 kw2, F32 kdd) {
+    return {kw1.dimensions().size() == 5 ? kw1.dimensions()[2] : 0, (int64_t)wq.element_count(),
+            (int64_t)kw1.element_count(), (int64_t)kw2.element_count(),
+            (int64_t)kdd.element_count()};
+}
+
+/* dcmha_block_problem over the FFI buffers (x 5-D first). */
 static const char *block_problem(F32 x, F32 pq, F32 pk1, F32 pk2, F32 pkd, F32 oq, F32 ok1,
                                  F32 ok2, F32 okd, Pred vis, int64_t pre_flags,
                                  int64_t post_flags, int64_t has_vis,
-                                 std::initializer_list<size_t> same) {
-    if (!(pre_flags & kTermBits) && !(post_flags & kTermBits))
-        return "dcmha block probabilities: at least one stage must have a term";
-    const char *why = nullptr;
-    if (pre_flags & kTermBits) why = problem(x, pq, pk1, pk2, pkd, pre_flags, same);
-    if (!why && (post_flags & kTermBits)) why = problem(x, oq, ok1, ok2, okd, post_flags, same);
-    if (why || !has_vis) return why;
-    const auto &d = x.dimensions(), &v = vis.dimensions();
-    if (v.size() != 3 || (v[0] != 1 && v[0] != d[0]) || v[1] != d[3] || v[2] != d[4])
-        return "dcmha block probabilities: vis must be (1|B, t, s) for x (B, G, M, t, s)";
-    return nullptr;
-}
-
-/* A stage's Args (its terms; absent when its flags have no term bit). */
-static bool block_stage(Args &a, F32 x, F32 wq, F32 kw1, F32 kw2, F32 kdd, int64_t flags) {
-    if (!(flags & kTermBits)) return false;
-    const int64_t R = kw1.dimensions().size() == 5 ? kw1.dimensions()[2] : 1;
-    dcmha_fill(a, x.dimensions().begin(), R, x.typed_data(), wq.typed_data(), kw1.typed_data(),
-               kw2.typed_data(), kdd.typed_data(), flags);
-    return true;
+                                 std::initializer_list<int64_t> same) {
+    if (x.dimensions().size() != 5) return "dcmha compose: x must be (B, G, M, t, s)";
+    return dcmha_block_problem(x.dimensions().begin(), x.element_count(),
+                               sizes(pq, pk1, pk2, pkd), sizes(oq, ok1, ok2, okd), pre_flags,
+                               post_flags, has_vis, vis.dimensions().size(),
+                               vis.dimensions().begin(), same);
 }
 
 static DcmhaBlockProbs block_job(F32 x, F32 pq, F32 pk1, F32 pk2, F32 pkd, F32 oq, F32 ok1,
                                  F32 ok2, F32 okd, Pred vis, int64_t pre_flags,
                                  int64_t post_flags, int64_t has_vis, float masked) {
     DcmhaBlockProbs j;
-    j.has_pre = block_stage(j.pre, x, pq, pk1, pk2, pkd, pre_flags);
-    j.has_post = block_stage(j.post, x, oq, ok1, ok2, okd, post_flags);
+    const int64_t *d = x.dimensions().begin();
+    const DcmhaTermSizes pre = sizes(pq, pk1, pk2, pkd), post = sizes(oq, ok1, ok2, okd);
+    j.has_pre = dcmha_block_stage(j.pre, d, pre.R ? pre.R : 1, x.typed_data(), pq.typed_data(),
+                                  pk1.typed_data(), pk2.typed_data(), pkd.typed_data(),
+                                  pre_flags);
+    j.has_post = dcmha_block_stage(j.post, d, post.R ? post.R : 1, x.typed_data(),
+                                   oq.typed_data(), ok1.typed_data(), ok2.typed_data(),
+                                   okd.typed_data(), post_flags);
     j.x = x.typed_data();
     if (has_vis) {
         j.vis = reinterpret_cast<const uint8_t *>(vis.typed_data());
@@ -212,7 +182,8 @@ static ffi::Error BlockProbsForward(ffi::ThreadPool pool, F32 x, F32 pq, F32 pk1
                                     int64_t has_vis, float masked) {
     if (const char *why = block_problem(x, pq, pk1, pk2, pkd, oq, ok1, ok2, okd, vis,
                                         pre_flags, post_flags, has_vis,
-                                        {out->element_count(), p->element_count()}))
+                                        {(int64_t)out->element_count(),
+                                         (int64_t)p->element_count()}))
         return ffi::Error::InvalidArgument(why);
     DcmhaBlockProbs j = block_job(x, pq, pk1, pk2, pkd, oq, ok1, ok2, okd, vis, pre_flags,
                                   post_flags, has_vis, masked);
@@ -232,8 +203,8 @@ static ffi::Error BlockProbsBackward(ffi::ThreadPool pool, F32 x, F32 p, F32 g, 
                                      float masked) {
     if (const char *why = block_problem(x, pq, pk1, pk2, pkd, oq, ok1, ok2, okd, vis,
                                         pre_flags, post_flags, has_vis,
-                                        {p.element_count(), g.element_count(),
-                                         dx->element_count()}))
+                                        {(int64_t)p.element_count(), (int64_t)g.element_count(),
+                                         (int64_t)dx->element_count()}))
         return ffi::Error::InvalidArgument(why);
     const F32 terms[8] = {pq, pk1, pk2, pkd, oq, ok1, ok2, okd};
     Out grads[8] = {dpq, dpk1, dpk2, dpkd, doq, dok1, dok2, dokd};
@@ -244,7 +215,7 @@ static ffi::Error BlockProbsBackward(ffi::ThreadPool pool, F32 x, F32 p, F32 g, 
     DcmhaBlockProbs j = block_job(x, pq, pk1, pk2, pkd, oq, ok1, ok2, okd, vis, pre_flags,
                                   post_flags, has_vis, masked);
     Args *stages[2] = {&j.pre, &j.post};
-    const int64_t flags[2] = {pre_flags & kTermBits, post_flags & kTermBits};
+    const int64_t flags[2] = {pre_flags & DCMHA_TERM_BITS, post_flags & DCMHA_TERM_BITS};
     for (int i = 0; i < 2; i++) {
         Out *d = grads + 4 * i;
         dcmha_grads(*stages[i], d[0]->typed_data(), d[0]->element_count(), d[1]->typed_data(),

@@ -1,6 +1,7 @@
 """DCMHA attention for TensorFlow on CPU: the blocked core of ``dcmha.backends.cpu_blocks``
-with its composes run by the compiled C kernel of ``dcmha.backends.cpu_kernel`` as two
-TensorFlow ops, ``DcmhaComposeForward`` and ``DcmhaComposeBackward`` (its registered
+with its composes, masked softmax and the stages' query factors run by the compiled C
+kernel of ``dcmha.backends.cpu_kernel`` as TensorFlow ops (``DcmhaBlockProbsForward``,
+``DcmhaQueryMatrix``, ``DcmhaComposeForward``, each with its backward op as its registered
 gradient).
 
 ``load()`` builds the op library on first use (C and C++ compilers and TensorFlow's headers,
@@ -19,6 +20,7 @@ import ctypes
 import tensorflow as tf
 
 from dcmha import ops as dops
+from dcmha.spec.terms import MASKED_SCORE
 
 from .. import cpu_blocks, cpu_kernel
 
@@ -53,8 +55,24 @@ def _build():
         return module.dcmha_compose_backward(op.inputs[0], g, *op.inputs[1:],
                                              flags=op.get_attr("flags"))
 
+    @tf.RegisterGradient("DcmhaBlockProbsForward")
+    def _block_probs_grad(op, g, _g_p):
+        # p (output 1) is read only by this gradient, so its own upstream gradient is None
+        x, *rest = op.inputs
+        grads = module.dcmha_block_probs_backward(
+            x, op.outputs[1], g, *rest, **{n: op.get_attr(n) for n in _BLOCK_ATTRS})
+        return [*grads, None]                    # none for vis
+
+    @tf.RegisterGradient("DcmhaQueryMatrix")
+    def _query_matrix_grad(op, g):
+        return module.dcmha_query_matrix_backward(*op.inputs, g, flags=op.get_attr("flags"))
+
     tf.RegisterGradient("DcmhaDynamicWeights")(_dynamic_weights_grad)
     return module, None
+
+
+_BLOCK_ATTRS = ("pre_flags", "post_flags", "has_vis", "masked")
+_QUERY_TERMS = ("qw1", "qw2", "qdd", "static")
 
 
 _DYNAMIC_NAMES = ("w1", "w2", "dd")     # the op's output lists, in order
@@ -86,14 +104,39 @@ def _dynamic_weights_grad(op, *upstream):
                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
 
-def _compose_with(module):
+def _primitives(module):
+    """``cpu_blocks.attention``'s kernel primitives as this library's ops."""
+    dummy = tf.zeros((1,), tf.float32)
+
     def compose(x, wq, kw1, kw2, kdd, flags):
         """Compose of a block x (B, G, M, t, s); terms as in ``csrc/compose_wrap.h``."""
         return module.dcmha_compose_forward(x, wq, kw1, kw2, kdd, flags=flags)
-    return compose
+
+    def probs(x, pre, post, vis, pre_flags, post_flags):
+        """A block's compose, masked softmax and compose (``DcmhaBlockProbsForward``)."""
+        out, _ = module.dcmha_block_probs_forward(
+            x, *pre, *post, tf.ones((1, 1, 1), tf.bool) if vis is None else vis,
+            pre_flags=int(pre_flags), post_flags=int(post_flags), has_vis=int(vis is not None),
+            masked=float(MASKED_SCORE))
+        return out
+
+    def query_matrix(terms, M):
+        """``dcmha.ops.query_compose_matrix`` as one op each way (``DcmhaQueryMatrix``)
+        where a dynamic query-side term is present; otherwise the plain one."""
+        if "qw1" not in terms and "qdd" not in terms:
+            return dops.query_compose_matrix(terms, M)
+        lead = (terms["qw1"] if "qw1" in terms else terms["qdd"]).shape[:3]     # (B, T, G)
+        if any(n is None for n in lead):
+            return dops.query_compose_matrix(terms, M)
+        names = [n for n in _QUERY_TERMS if n in terms]
+        return module.dcmha_query_matrix(
+            *(tf.cast(terms[n], tf.float32) if n in terms else dummy for n in _QUERY_TERMS),
+            flags=cpu_kernel.cached_flags(names), shape=[*lead, M, M])
+
+    return dict(compose=compose, probs=probs, query_matrix=query_matrix)
 
 
-_PATH = cpu_blocks.KernelPath(_build, lambda module: dict(compose=_compose_with(module)))
+_PATH = cpu_blocks.KernelPath(_build, _primitives)
 #: load() -> bool, unavailable_reason() -> str or None, and
 #: dcmha_attention(q, k, v, **kwargs): ``cpu_blocks.attention`` with this kernel.
 load, unavailable_reason, dcmha_attention = _PATH.load, _PATH.unavailable_reason, _PATH.attention

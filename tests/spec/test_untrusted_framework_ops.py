@@ -1,6 +1,6 @@
-"""Crafted calls of the compiled compose ops of XLA (jax.ffi handlers, xla_ffi.cc) and
-TensorFlow (tf_op.cc): arrays whose sizes do not fit x or the attributes, as a hand-built
-call could pass them. Each must fail with the op's own error, never read past a buffer; each
+"""Crafted calls of the compiled ops of XLA (jax.ffi handlers, xla_ffi.cc) and
+TensorFlow (tf_op.cc) (the compose, a block's probabilities, a stage's query factor):
+arrays whose sizes do not fit x or the attributes, as a hand-built call could pass them. Each must fail with the op's own error, never read past a buffer; each
 framework runs in a child process, so that a crash shows as a failed case.
 """
 
@@ -160,12 +160,43 @@ report("dynamic_dd_short", lambda: module.dcmha_dynamic_weights(
     z((2, 4)), z((4, 6)), z((2, 3, 2, 1, 2)), z((3,)), **dyn))
 report("dynamic_attrs_huge", lambda: module.dcmha_dynamic_weights(
     z((2, 4)), z((4, 6)), z((2, 3, 2, 1, 2)), z((4, 4)), **{**dyn, "k": 2**40}))
+# BlockProbs: x (B, G, M, t, s) = (1, 2, 2, 3, 4); the pre stage's wq is 24 floats
+X = (1, 2, 2, 3, 4)
+block_attrs = lambda pre, post, has_vis: dict(pre_flags=pre, post_flags=post, has_vis=has_vis,
+                                              masked=-1e30)
+def block(pre_wq, post_flags, vis, has_vis, pre_flags=1):
+    d = z((1,))
+    return module.dcmha_block_probs_forward(z(X), z(pre_wq), d, d, d, z((5,)), d, d, d,
+                                            tf.ones(vis, tf.bool),
+                                            **block_attrs(pre_flags, post_flags, has_vis))
+report("block_no_stage", lambda: block((24,), 0, (1,), 0, pre_flags=0))
+report("block_pre_wq_short", lambda: block((23,), 0, (1,), 0))
+report("block_post_wq_short", lambda: block((24,), 1, (1,), 0))
+report("block_vis_shape", lambda: block((24,), 0, (1, 3, 5), 1))
+report("block_backward_g_short", lambda: module.dcmha_block_probs_backward(
+    z(X), z(X), z((7,)), z((24,)), *(z((1,)),) * 7, tf.ones((1,), tf.bool),
+    **block_attrs(1, 0, 0)))
+# QueryMatrix: wq (B, T, G, M, M) = (1, 3, 2, 2, 2); qw1, qw2 (B, T, G, R, M) = 12 R floats
+def query(qw1, qdd, flags, shape=(1, 3, 2, 2, 2)):
+    return module.dcmha_query_matrix(z(qw1), z(qw1), z(qdd), z((1,)), flags=flags,
+                                     shape=list(shape))
+report("query_qw_short", lambda: query((1, 3, 2, 2, 1), (1,), 8))
+report("query_qdd_short", lambda: query((1,), (5,), 16))
+report("query_wq_not_square", lambda: query((1,), (12,), 16, shape=(1, 3, 2, 2, 3)))
 """
 
 TF_EXTRA = {"backward_g_short": "g must have x's shape",
             "dynamic_dw1_short": "dcmha dynamic weights: need",
             "dynamic_dd_short": "dcmha dynamic weights: need",
-            "dynamic_attrs_huge": "dcmha dynamic weights: need"}
+            "dynamic_attrs_huge": "dcmha dynamic weights: need",
+            "block_no_stage": "at least one stage must have a term",
+            "block_pre_wq_short": "wq must be (B, t, G, M, M)",
+            "block_post_wq_short": "wq must be (B, t, G, M, M)",
+            "block_vis_shape": "vis must be (1|B, t, s)",
+            "block_backward_g_short": "the result and g must have x's shape",
+            "query_qw_short": "qw1 and qw2 must be (B, T, G, R, M)",
+            "query_qdd_short": "qdd must be (B, T, G, M)",
+            "query_wq_not_square": "wq must be (B, T, G, M, M)"}
 
 
 def _run(child, framework):
