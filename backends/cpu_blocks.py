@@ -12,20 +12,22 @@ sections 6-7),
 in ``keras.ops`` over blocks of ``block_q`` queries, each against the keys a
 causal mask or sliding window leaves visible to it, in the head-major layout
 (B, G, M, t, s) that the score matmul writes (no transposes of the score
-blocks). The two composes of a block are one call each of a framework
-primitive ``compose(x, wq, kw1, kw2, kdd, flags)`` that runs the C kernel of
+blocks). A block's compose, mask, softmax and compose are one call of the
+framework's primitive ``probs`` that runs the C kernel of
 ``dcmha.backends.cpu_kernel`` and carries its own gradient (a
 ``jax.custom_vjp`` over ``jax.ffi``; a TensorFlow op with a registered
-gradient); the rest (matmuls, mask, softmax) is the framework's, differentiated
-by it. Framework ops alone read and write a score block several times per
-compose term (and the "ops" core transposes it for its key-side matmul); the
-kernel reads it once.
+gradient), as is each stage's query factor (``query_matrix``); a framework
+without them composes with one ``compose(x, wq, kw1, kw2, kdd, flags)`` call per
+stage and runs the mask and softmax itself. The matmuls are the framework's,
+differentiated by it. Framework ops alone read and write a score block several
+times per compose term (and the "ops" core transposes it for its key-side
+matmul); the kernel reads it once.
 
 Masked entries get -1e30 before the softmax, so their probabilities are
 exactly 0, and so are their post-composed values (compose mixes heads at a
 fixed (t, s)); rows without a visible key are zeroed on the output. Under a
-causal mask both composes tell the kernel the block's offset
-(``cpu_kernel.causal_flags``), and it skips the keys the mask hides.
+causal mask the kernel is told the block's offset (``cpu_kernel.causal_flags``),
+and it skips the keys the mask hides (a causal mask alone needs no mask array).
 Everything is float32.
 
 ``reference`` is the same function without blocks or the kernel

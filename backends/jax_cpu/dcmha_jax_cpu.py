@@ -1,6 +1,7 @@
 """DCMHA attention for JAX on CPU: the blocked core of ``dcmha.backends.cpu_blocks`` with
-its composes run by the compiled C kernel of ``dcmha.backends.cpu_kernel`` through the XLA
-FFI (``jax.ffi``), as a ``jax.custom_vjp`` whose backward is the kernel's backward.
+each block's compose, masked softmax and compose, and each stage's query factor, run by the
+compiled C kernel of ``dcmha.backends.cpu_kernel`` through the XLA FFI (``jax.ffi``), each a
+``jax.custom_vjp`` whose backward is the kernel's backward.
 
 ``load()`` builds the kernel with its FFI handlers on first use (C and C++ compilers needed;
 cached and verified as ``cpu_kernel`` describes, keyed by jaxlib's version) and registers

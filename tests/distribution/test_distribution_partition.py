@@ -75,8 +75,8 @@ def _worker():
         counts = {}
         for name in COLLECTIVE.findall(hlo):
             counts[name] = counts.get(name, 0) + 1
-        calls = re.findall(r"f32\[([0-9,]+)\][^\n]*custom_call_target=\"dcmha_compose_forward",
-                           hlo)
+        calls = re.findall(r"f32\[([0-9,]+)\][^\n]*custom_call_target="
+                           r"\"dcmha_(?:compose|block_probs)_forward", hlo)
         return counts, sorted({c for c in calls})
 
     out = {}
@@ -172,7 +172,7 @@ def test_gradients_equal_one_device(partitioned, impl, mesh):
 
 
 def test_kernel_sees_one_device_share(partitioned):
-    """The compose custom call's block (B, G, M, t, s) is per device: B / 8 under
+    """The kernel's custom call's block (B, G, M, t, s) is per device: B / 8 under
     DataParallel; B / 2 and G / 4 under the (2, 4) ModelParallel mesh."""
     shapes = {m: {tuple(int(x) for x in s.split(","))[:3]
                   for s in partitioned[f"jax_cpu/{m}"]["compose_shapes"]}
