@@ -102,18 +102,37 @@ class KernelPath:
         return attention(q, k, v, **self._primitives(self._state["handle"]), **kwargs)
 
 
+#: The query-side terms in the order the kernel's query-factor primitive takes them.
+QUERY_TERMS = ("qw1", "qw2", "qdd", "static")
+
+
+def _query_factor(f, M, query_matrix):
+    """A stage's query factor wq from its float32 terms f: the framework's kernel primitive
+    ``query_matrix(qw1, qw2, qdd, static, flags, shape)`` (1-element dummies for absent
+    terms; ``shape`` wq's (B, T, G, M, M)) where a dynamic query-side term is present and
+    the shape is known (XLA and TensorFlow run the terms' products as batched matrix
+    products of a few rows each, slow in the backward); otherwise
+    ``dcmha.ops.query_compose_matrix``."""
+    dynamic = f.get("qw1", f.get("qdd"))
+    if query_matrix is None or dynamic is None or any(n is None for n in dynamic.shape[:3]):
+        return dops.query_compose_matrix(f, M)
+    dummy = ops.zeros((1,), "float32")
+    return query_matrix(*(f.get(n, dummy) for n in QUERY_TERMS),
+                        cpu_kernel.cached_flags([n for n in QUERY_TERMS if n in f]),
+                        (*dynamic.shape[:3], M, M))
+
+
 def stage_arrays(terms: Optional[Mapping], B, T, G, M, query_matrix=None):
     """A stage's kernel arrays (wq, kw1, kw2, kdd), None where absent, or None (no stage).
 
     wq (B, T, G, M, M) folds the residual, static and query-side terms (out[n] =
-    sum_m wq[n, m] x[m], ``query_matrix(terms, M)``, by default
-    ``dcmha.ops.query_compose_matrix``); kw1, kw2 (B, G, R, M, S) and kdd (B, G, M, S)
-    are the key-side terms with the key axis last.
+    sum_m wq[n, m] x[m], ``_query_factor``); kw1, kw2 (B, G, R, M, S) and kdd (B, G, M,
+    S) are the key-side terms with the key axis last.
     """
     if not terms:
         return None
     f = {n: ops.cast(v, "float32") for n, v in terms.items() if v is not None}
-    wq = (query_matrix or dops.query_compose_matrix)(f, M)
+    wq = _query_factor(f, M, query_matrix)
     if wq is not None:
         wq = ops.broadcast_to(wq, (B, T, G, M, M))
     kw1 = kw2 = kdd = None
@@ -188,8 +207,8 @@ def attention(q, k, v, *, compose, num_groups, pre=None, post=None, mask=None, c
             ``compose`` takes them, dummies for an absent stage, whose flags are 0; vis
             (B|1, t, s) bool or None), or None: the composes run one call each and the
             mask and softmax are the framework's.
-        query_matrix: the framework's ``query_matrix(terms, M)`` for a stage's query
-            factor (``stage_arrays``), or None: ``dcmha.ops.query_compose_matrix``.
+        query_matrix: the framework's primitive for a stage's query factor
+            (``_query_factor``), or None: ``dcmha.ops.query_compose_matrix``.
         num_groups: G, composition groups (N % G == 0).
         pre, post: dicts of compose terms in the spec's layout (qw1, qw2 (B, T, G, R, M);
             kw1, kw2 (B, S, G, R, M); qdd (B, T, G, M); kdd (B, S, G, M); static

@@ -33,7 +33,7 @@ _PROBS = "dcmha_decode_probs"
 _BLOCK_FORWARD, _BLOCK_BACKWARD = "dcmha_block_probs_forward", "dcmha_block_probs_backward"
 _QUERY, _QUERY_BACKWARD = "dcmha_query_matrix", "dcmha_query_matrix_backward"
 _DUMMY = np.zeros((1,), np.float32)
-_QUERY_TERMS, _KEY_TERMS = ("qw1", "qw2", "qdd", "static"), ("kw1", "kw2", "kdd")
+_QUERY_TERMS, _KEY_TERMS = cpu_blocks.QUERY_TERMS, ("kw1", "kw2", "kdd")
 
 
 def _recipe():
@@ -98,6 +98,8 @@ _compose.defvjp(_compose_fwd, _compose_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _query_ffi(qw1, qw2, qdd, static, flags, shape):
+    """``cpu_blocks.attention``'s ``query_matrix``: a stage's query factor as one kernel call
+    each way (``DcmhaQueryMatrix``)."""
     return jax.ffi.ffi_call(_QUERY, jax.ShapeDtypeStruct(shape, jnp.float32))(
         qw1, qw2, qdd, static, flags=np.int64(flags))
 
@@ -112,19 +114,6 @@ def _query_ffi_bwd(flags, shape, res, g):
 
 
 _query_ffi.defvjp(_query_ffi_fwd, _query_ffi_bwd)
-
-
-def _query_matrix(terms, M):
-    """``cpu_blocks.stage_arrays``' ``query_matrix``: ``dcmha.ops.query_compose_matrix`` as
-    one kernel call each way (``DcmhaQueryMatrix``) where a dynamic query-side term is
-    present (XLA runs the terms' products as batched matrix products of a few rows each,
-    slow in the backward); otherwise the plain one."""
-    if "qw1" not in terms and "qdd" not in terms:
-        return dops.query_compose_matrix(terms, M)
-    lead = (terms["qw1"] if "qw1" in terms else terms["qdd"]).shape[:3]       # (B, T, G)
-    names = [n for n in _QUERY_TERMS if n in terms]
-    args = [terms[n].astype(jnp.float32) if n in terms else _DUMMY for n in _QUERY_TERMS]
-    return _query_ffi(*args, cpu_kernel.cached_flags(names), (*lead, M, M))
 
 
 # ---------------------------------------------------------------------------
@@ -235,7 +224,7 @@ def decode_probs(x, mask, pre, post, M):
 
 
 _PATH = cpu_blocks.KernelPath(
-    _build, lambda _: dict(compose=_compose, probs=_probs, query_matrix=_query_matrix))
+    _build, lambda _: dict(compose=_compose, probs=_probs, query_matrix=_query_ffi))
 #: load() -> bool, unavailable_reason() -> str or None, and
 #: dcmha_attention(q, k, v, **kwargs): ``cpu_blocks.attention`` with this kernel.
 load, unavailable_reason, dcmha_attention = _PATH.load, _PATH.unavailable_reason, _PATH.attention

@@ -72,7 +72,6 @@ def _build():
 
 
 _BLOCK_ATTRS = ("pre_flags", "post_flags", "has_vis", "masked")
-_QUERY_TERMS = ("qw1", "qw2", "qdd", "static")
 
 
 _DYNAMIC_NAMES = ("w1", "w2", "dd")     # the op's output lists, in order
@@ -106,7 +105,6 @@ def _dynamic_weights_grad(op, *upstream):
 
 def _primitives(module):
     """``cpu_blocks.attention``'s kernel primitives as this library's ops."""
-    dummy = tf.zeros((1,), tf.float32)
 
     def compose(x, wq, kw1, kw2, kdd, flags):
         """Compose of a block x (B, G, M, t, s); terms as in ``csrc/compose_wrap.h``."""
@@ -120,18 +118,9 @@ def _primitives(module):
             masked=float(MASKED_SCORE))
         return out
 
-    def query_matrix(terms, M):
-        """``dcmha.ops.query_compose_matrix`` as one op each way (``DcmhaQueryMatrix``)
-        where a dynamic query-side term is present; otherwise the plain one."""
-        if "qw1" not in terms and "qdd" not in terms:
-            return dops.query_compose_matrix(terms, M)
-        lead = (terms["qw1"] if "qw1" in terms else terms["qdd"]).shape[:3]     # (B, T, G)
-        if any(n is None for n in lead):
-            return dops.query_compose_matrix(terms, M)
-        names = [n for n in _QUERY_TERMS if n in terms]
-        return module.dcmha_query_matrix(
-            *(tf.cast(terms[n], tf.float32) if n in terms else dummy for n in _QUERY_TERMS),
-            flags=cpu_kernel.cached_flags(names), shape=[*lead, M, M])
+    def query_matrix(qw1, qw2, qdd, static, flags, shape):
+        """A stage's query factor as one op each way (``DcmhaQueryMatrix``)."""
+        return module.dcmha_query_matrix(qw1, qw2, qdd, static, flags=flags, shape=list(shape))
 
     return dict(compose=compose, probs=probs, query_matrix=query_matrix)
 
