@@ -48,7 +48,7 @@ from dcmha.spec.terms import MASKED_SCORE
 
 from . import cpu_kernel
 
-__all__ = ["KernelPath", "attention", "reference", "stage_arrays", "flags_of"]
+__all__ = ["KernelPath", "attention", "reference", "stage_arrays", "flags_of", "block_attrs"]
 
 _NEG = MASKED_SCORE
 
@@ -149,6 +149,22 @@ def flags_of(stage):
     wq, kw1, _, kdd = stage
     return (1 if wq is not None else 0) | (2 if kw1 is not None else 0) | (
         4 if kdd is not None else 0)
+
+
+#: The attributes of a block's probabilities as one kernel call (``probs``: jax_cpu's FFI
+#: handlers, tf_cpu's ops), as ``block_attrs`` gives them.
+BLOCK_ATTRS = ("pre_flags", "post_flags", "has_vis", "masked")
+#: vis's shape in that call for a block without one: a 1-element dummy (has_vis 0), which
+#: the kernel does not read.
+NO_VIS_SHAPE = (1, 1, 1)
+
+
+def block_attrs(vis, pre_flags, post_flags, integer=int, real=float):
+    """``BLOCK_ATTRS`` for ``probs``'s kernel call on a block with mask vis (None: none),
+    made by ``integer`` / ``real``: jax.ffi takes numpy's int64 / float32, TensorFlow's
+    eager fast path Python's int / float (numpy scalars make it fall back)."""
+    return dict(pre_flags=integer(pre_flags), post_flags=integer(post_flags),
+                has_vis=integer(vis is not None), masked=real(MASKED_SCORE))
 
 
 def _split_stage(stage, q_bounds, k_bounds):

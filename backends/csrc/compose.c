@@ -223,14 +223,36 @@ INLINE float hsum(const vf *v) {
     return t;
 }
 
-/* Where row i's vectorised keys end: jv, or in a causal block (Args.causal) the first
-   multiple of VL past its last visible key i + causal_off, at most jv. */
+/* One past row i's last visible key in a causal block (Args.causal): i + causal_off + 1,
+   not yet clipped to the keys (it may be <= 0, or past them). */
+INLINE int64_t causal_end(const Args *a, int64_t i) {
+    return i + a->causal_off + 1;
+}
+
+/* Keys of row i that a causal stage leaves visible: all s, or [0, causal_end) clipped to
+   [0, s]. */
+INLINE int64_t visible_keys(const Args *a, int64_t i, int64_t s) {
+    if (!a || !a->causal) return s;
+    const int64_t n = causal_end(a, i);
+    return n < 0 ? 0 : n < s ? n : s;
+}
+
+/* n keys rounded up to whole vectors, at most s: where a row's vector work ends. */
+INLINE int64_t vector_end(int64_t n, int64_t s) {
+    const int64_t e = (n + VL - 1) / VL * VL;
+    return e < s ? e : s;
+}
+
+/* Where row i's vectorised keys end: visible_keys(a, i, jv) rounded up to whole vectors, so
+   jv, or in a causal block the first multiple of VL past its last visible key, at most jv.
+   Not written as vector_end(visible_keys(...)): clipping to jv before rounding (the same
+   result) makes GCC compile the vectorised kernels' loops differently; from causal_end,
+   they compile as before. */
 INLINE int64_t row_end(const Args *a, int64_t i, int64_t jv) {
     if (!a->causal) return jv;
-    const int64_t n = i + a->causal_off + 1;
+    const int64_t n = causal_end(a, i);
     if (n <= 0) return 0;
-    const int64_t e = (n + VL - 1) / VL * VL;
-    return e < jv ? e : jv;
+    return vector_end(n, jv);
 }
 
 /* Zeros into the M rows (stride n) of row at keys [j0, j1) (multiples of VL). */
@@ -798,14 +820,6 @@ int dcmha_probs_rows(const Args *pre, const Args *post, const float *x, float *o
 
 /* ---- A training block's probabilities: Compose, masked softmax, Compose; and backward ---- */
 
-/* Keys of row i that a causal stage leaves visible: all s, or [0, i + causal_off + 1)
-   clipped to [0, s]. */
-static int64_t visible_keys(const Args *a, int64_t i, int64_t s) {
-    if (!a || !a->causal) return s;
-    const int64_t n = i + a->causal_off + 1;
-    return n < 0 ? 0 : n < s ? n : s;
-}
-
 /* The (M, t, s) rows of one slice as their masked softmax, in place: entries whose vis byte
    is 0 get `masked` (vis: (t, s), NULL: none), and in a causal block (c: a stage's Args)
    the keys past row i's last visible one are exactly 0 (a row with none is all 0). */
@@ -817,14 +831,12 @@ static void block_softmax(float *x, int64_t M, int64_t t, int64_t s, const uint8
             const int64_t n = visible_keys(c, i, s);
             /* the softmax runs over whole vectors where the row has room: the keys from n
                to the vector's end get -inf, so exactly 0 (a scalar tail costs more) */
-            int64_t e = (n + VL - 1) / VL * VL;
-            e = e < s ? e : s;
+            const int64_t e = vector_end(n, s);     /* 0 when n is */
             if (vis)
                 for (int64_t j = 0; j < n; j++)
                     if (!vis[i * s + j]) row[j] = masked;
             for (int64_t j = n; j < e; j++) row[j] = -INFINITY;
             if (n > 0) softmax_row(row, e);
-            else e = 0;
             if (e < s) memset(row + e, 0, sizeof(float) * (size_t)(s - e));
         }
 }

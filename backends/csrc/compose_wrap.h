@@ -1,6 +1,7 @@
 /* What the framework wrappers of the compose kernel share (C++: xla_ffi.cc for jax.ffi,
-   tf_op.cc for TensorFlow): filling Args for contiguous arrays, and splitting a call over
-   the framework's thread pool (dcmha_compose_split).
+   tf_op.cc for TensorFlow): checking the arrays they were given, filling Args for
+   contiguous arrays (a training block's job and gradients: dcmha_block_job / _grads), and
+   splitting a call over the framework's thread pool (dcmha_compose_split).
 
    Arrays: x, out, g (B, G, M, t, s); wq, dwq (B, t, G, M, M) ([n, m]: out[n] = sum_m
    wq[n, m] x[m]); kw1, kw2 and their gradients (B, G, R, M, s); kdd, dkdd (B, G, M, s).
@@ -91,10 +92,11 @@ static const char *dcmha_block_problem(const int64_t *d, int64_t n_x, const Dcmh
 /* Why a stage's query-side terms do not fit its query factor wq (B, T, G, M, M) = d (nd dims)
    (nullptr: they do): qw1, qw2 (B, T, G, R, M) (qw1's dims q, nq of them), qdd (B, T, G, M)
    and st (G, M, M), those present by flags (DCMHA_HAS_QW / QDD / STATIC), each counted in
-   n[0..3]; the gradients, if any, counted in `grads` (the terms' order). *R: qw1's rank. */
+   n[0..3]; the gradients counted in grads[0..3] (the terms' order; NULL: none, the
+   forward). *R: qw1's rank. */
 static const char *dcmha_query_problem(const int64_t *d, size_t nd, const int64_t *q, size_t nq,
                                        const int64_t n[4], int64_t flags, int64_t *R,
-                                       std::initializer_list<int64_t> grads) {
+                                       const int64_t *grads) {
     if (nd != 5 || d[3] != d[4]) return "dcmha query factor: wq must be (B, T, G, M, M)";
     const int64_t B = d[0], T = d[1], G = d[2], M = d[3];
     *R = 1;
@@ -108,16 +110,16 @@ static const char *dcmha_query_problem(const int64_t *d, size_t nd, const int64_
         return "dcmha query factor: qdd must be (B, T, G, M) for wq (B, T, G, M, M)";
     if ((flags & DCMHA_HAS_STATIC) && !dcmha_count_is(n[3], {G, M, M}))
         return "dcmha query factor: static must be (G, M, M) for wq (B, T, G, M, M)";
-    int i = 0;
-    for (int64_t g : grads)
-        if (g != n[i++]) return "dcmha query factor: each term's gradient must have the term's shape";
+    for (int i = 0; grads && i < 4; i++)
+        if (grads[i] != n[i])
+            return "dcmha query factor: each term's gradient must have the term's shape";
     return nullptr;
 }
 
 /* dcmha_query_matrix (backward = 0: wq from the terms) or dcmha_query_matrix_backward (the
-   terms' gradients, zeroed first, from dwq) over the arrays t[0..3] = qw1, qw2, qdd, st and
-   their gradients dt[0..3] (counted in n), wq (B, T, G, M, M) = d, those absent by flags
-   neither read nor written. */
+   terms' gradients from dwq) over the arrays t[0..3] = qw1, qw2, qdd, st and their
+   gradients dt[0..3] (counted in n), wq (B, T, G, M, M) = d; the terms absent by flags are
+   not read and their gradients are zeros. */
 static void dcmha_query_run(const int64_t *d, int64_t R, const float *const t[4], float *wq,
                             const float *dwq, float *const dt[4], const int64_t n[4],
                             int64_t flags, int backward) {
@@ -128,7 +130,11 @@ static void dcmha_query_run(const int64_t *d, int64_t R, const float *const t[4]
                            qdd ? t[2] : nullptr, st ? t[3] : nullptr, wq, 0);
         return;
     }
-    for (int i = 0; i < 4; i++) std::memset(dt[i], 0, n[i] * sizeof(float));
+    /* the kernel writes every entry of the gradients it is given (dst zeroed first, then
+       summed into): only the absent terms' are zeroed here */
+    const bool present[4] = {qw, qw, qdd, st};
+    for (int i = 0; i < 4; i++)
+        if (!present[i]) std::memset(dt[i], 0, n[i] * sizeof(float));
     dcmha_query_matrix_backward(d[0], d[1], d[2], d[3], R, t[0], t[1], dwq,
                                 qw ? dt[0] : nullptr, qw ? dt[1] : nullptr,
                                 qdd ? dt[2] : nullptr, st ? dt[3] : nullptr);
@@ -171,16 +177,14 @@ static int dcmha_probs(const int64_t *x_dims, const float *x, float *p, const ui
                               post.t[5], post.t[6], 0, 0);
 }
 
-/* Gradient buffers: zeroed (the kernel accumulates), then attached where present. */
-static void dcmha_grads(Args &a, float *dwq, size_t n_dwq, float *dkw1, float *dkw2,
-                        size_t n_dkw, float *dkdd, size_t n_dkdd, int64_t flags) {
-    std::memset(dwq, 0, n_dwq * sizeof(float));
-    std::memset(dkw1, 0, n_dkw * sizeof(float));
-    std::memset(dkw2, 0, n_dkw * sizeof(float));
-    std::memset(dkdd, 0, n_dkdd * sizeof(float));
-    if (flags & DCMHA_HAS_WQ) a.dwq = dwq;
-    if (flags & DCMHA_HAS_KW) { a.dkw1 = dkw1; a.dkw2 = dkw2; }
-    if (flags & DCMHA_HAS_KDD) a.dkdd = dkdd;
+/* The term gradients d[0..3] = dwq, dkw1, dkw2, dkdd (each counted in n): zeroed (the kernel
+   accumulates), then attached where present. Each is zeroed by its own count: an absent
+   term's dummy and its gradient need not match another term's size. */
+static void dcmha_grads(Args &a, float *const d[4], const int64_t n[4], int64_t flags) {
+    for (int i = 0; i < 4; i++) std::memset(d[i], 0, n[i] * sizeof(float));
+    if (flags & DCMHA_HAS_WQ) a.dwq = d[0];
+    if (flags & DCMHA_HAS_KW) { a.dkw1 = d[1]; a.dkw2 = d[2]; }
+    if (flags & DCMHA_HAS_KDD) a.dkdd = d[3];
 }
 
 /* One split call's state, shared by the calling thread and its helper tasks: the chunks
@@ -216,12 +220,11 @@ struct DcmhaSplit {
    however late the pool starts its tasks, or if it runs them inline. A helper that starts
    after the work is gone does nothing; it shares ownership of the state, which may outlive
    the call. 0 on success, 1 when a chunk ran out of memory. */
-template <typename Schedule>
-static int dcmha_split(const Args &a, int64_t threads, std::function<int(int64_t, int64_t)> run,
-                       Schedule &&schedule) {
+template <typename Run, typename Schedule>
+static int dcmha_split(const Args &a, int64_t threads, Run &&run, Schedule &&schedule) {
     const int64_t n = dcmha_compose_chunks(&a, threads), slices = a.B * a.G;
-    if (n <= 1) return run(0, slices);
-    auto split = std::make_shared<DcmhaSplit>(std::move(run), n, slices);
+    if (n <= 1) return run(0, slices);     /* unsplit: run is not wrapped (no allocation) */
+    auto split = std::make_shared<DcmhaSplit>(std::forward<Run>(run), n, slices);
     try {
         for (int64_t i = 1; i < n; i++) schedule([split] { split->work(); });
     } catch (...) {
@@ -243,9 +246,9 @@ static int dcmha_compose_split(const Args &a, int backward, int64_t threads,
     }, std::forward<Schedule>(schedule));
 }
 
-/* A training block's probabilities (compose.c's dcmha_block_probs_slices), forward or
-   backward, split over the framework's threads as dcmha_split does. The stages' Args are
-   copied into the tasks (a stage absent: has_pre / has_post false). */
+/* A training block's probabilities (compose.c's dcmha_block_probs_slices) as one job, built
+   by dcmha_block_job: the stages' Args (a stage absent: has_pre / has_post false) and the
+   block's arrays. */
 struct DcmhaBlockProbs {
     Args pre, post;
     bool has_pre = false, has_post = false;
@@ -266,9 +269,42 @@ static bool dcmha_block_stage(Args &a, const int64_t *d, int64_t R, const float 
     return true;
 }
 
+/* A block's job (dcmha_block_stage's stages, x, vis, masked) from x (B, G, M, t, s) = d and
+   the stages' terms t[0..7] (the pre stage's wq, kw1, kw2, kdd, then the post stage's),
+   which dcmha_block_problem has checked against x with their sizes pre and post; vis
+   (vis_b, t, s), NULL when the block has none. The caller sets p, out, g, dx. */
+static DcmhaBlockProbs dcmha_block_job(const int64_t *d, const float *x, const float *const t[8],
+                                       const DcmhaTermSizes &pre, const DcmhaTermSizes &post,
+                                       int64_t pre_flags, int64_t post_flags,
+                                       const uint8_t *vis, int64_t vis_b, float masked) {
+    DcmhaBlockProbs j;
+    j.has_pre = dcmha_block_stage(j.pre, d, pre.R ? pre.R : 1, x, t[0], t[1], t[2], t[3],
+                                  pre_flags);
+    j.has_post = dcmha_block_stage(j.post, d, post.R ? post.R : 1, x, t[4], t[5], t[6], t[7],
+                                   post_flags);
+    j.x = x;
+    if (vis) {
+        j.vis = vis;
+        j.vis_b = vis_b;
+    }
+    j.masked = masked;
+    return j;
+}
+
+/* The stages' term gradients d[0..7] (the terms' order, each counted in n), zeroed and
+   attached to the job's stages (dcmha_grads); an absent stage's are zeros. */
+static void dcmha_block_grads(DcmhaBlockProbs &j, float *const d[8], const int64_t n[8],
+                              int64_t pre_flags, int64_t post_flags) {
+    dcmha_grads(j.pre, d, n, pre_flags & DCMHA_TERM_BITS);
+    dcmha_grads(j.post, d + 4, n + 4, post_flags & DCMHA_TERM_BITS);
+}
+
+/* A block's job, forward or backward, split over the framework's threads as dcmha_split
+   does (the stages' Args are copied into the tasks). An overload of the compose's
+   dcmha_compose_split, so that a wrapper's one helper over its thread pool runs either. */
 template <typename Schedule>
-static int dcmha_block_probs_split(const DcmhaBlockProbs &j, int backward, int64_t threads,
-                                   Schedule &&schedule) {
+static int dcmha_compose_split(const DcmhaBlockProbs &j, int backward, int64_t threads,
+                               Schedule &&schedule) {
     return dcmha_split(j.has_pre ? j.pre : j.post, threads,
                        [j, backward](int64_t begin, int64_t end) {
         return dcmha_block_probs_slices(j.has_pre ? &j.pre : nullptr,

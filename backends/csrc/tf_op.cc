@@ -29,6 +29,27 @@ static absl::Status same_shapes(shape_inference::InferenceContext *c, int first_
     return absl::OkStatus();
 }
 
+/* The forward (backward = 0) or backward of a compose's Args or a block's DcmhaBlockProbs
+   (dcmha_compose_split), split over the device's CPU worker threads (the intra-op pool);
+   whole on this thread where there are none (threads 0: nothing is scheduled). */
+template <typename Job>
+static int split(OpKernelContext *c, const Job &job, int backward) {
+    const auto *workers = c->device()->tensorflow_cpu_worker_threads();
+    const int64_t threads = workers && workers->workers ? workers->num_threads : 0;
+    return dcmha_compose_split(job, backward, threads, [workers](std::function<void()> task) {
+        workers->workers->Schedule(std::move(task));
+    });
+}
+
+/* The term-gradient outputs outs[0..k-1] as dcmha_grads / dcmha_block_grads take them:
+   their data into d, their element counts into n. */
+static void gradient_outputs(Tensor *const *outs, int k, float **d, int64_t *n) {
+    for (int i = 0; i < k; i++) {
+        d[i] = outs[i]->flat<float>().data();
+        n[i] = outs[i]->NumElements();
+    }
+}
+
 REGISTER_OP("DcmhaComposeForward")
     .Input("x: float").Input("wq: float").Input("kw1: float").Input("kw2: float")
     .Input("kdd: float").Output("out: float").Attr("flags: int")
@@ -82,17 +103,6 @@ class DcmhaComposeOp : public OpKernel {
                    c->input(terms + 3).flat<float>().data(), flags_);
         return true;
     }
-    /* The compose of a (backward or not), split over the device's CPU worker threads (the
-       intra-op pool) by dcmha_compose_split; whole on this thread where there are none. */
-    static int run(OpKernelContext *c, const Args &a, int backward) {
-        const auto *workers = c->device()->tensorflow_cpu_worker_threads();
-        if (!workers || !workers->workers)
-            return backward ? dcmha_compose_backward(&a) : dcmha_compose_forward(&a);
-        return dcmha_compose_split(a, backward, workers->num_threads,
-                                   [workers](std::function<void()> task) {
-                                       workers->workers->Schedule(std::move(task));
-                                   });
-    }
     int64_t flags_;
 };
 
@@ -105,7 +115,7 @@ class DcmhaComposeForwardOp : public DcmhaComposeOp {
         Tensor *out = nullptr;
         OP_REQUIRES_OK(c, c->allocate_output(0, c->input(0).shape(), &out));
         a.out = out->flat<float>().data();
-        OP_REQUIRES(c, run(c, a, 0) == 0,
+        OP_REQUIRES(c, split(c, a, 0) == 0,
                     errors::ResourceExhausted("dcmha compose: out of memory"));
     }
 };
@@ -122,11 +132,11 @@ class DcmhaComposeBackwardOp : public DcmhaComposeOp {
                                                  &outs[i]));
         a.g = c->input(1).flat<float>().data();
         a.out = outs[0]->flat<float>().data();
-        dcmha_grads(a, outs[1]->flat<float>().data(), outs[1]->NumElements(),
-                    outs[2]->flat<float>().data(), outs[3]->flat<float>().data(),
-                    outs[2]->NumElements(), outs[4]->flat<float>().data(),
-                    outs[4]->NumElements(), flags_);
-        OP_REQUIRES(c, run(c, a, 1) == 0,
+        float *d[4];
+        int64_t n[4];
+        gradient_outputs(outs + 1, 4, d, n);
+        dcmha_grads(a, d, n, flags_);
+        OP_REQUIRES(c, split(c, a, 1) == 0,
                     errors::ResourceExhausted("dcmha compose: out of memory"));
     }
 };
@@ -200,27 +210,13 @@ class DcmhaBlockProbsOp : public OpKernel {
             c->SetStatus(errors::InvalidArgument(why));
             return false;
         }
-        auto in = [c](int i) { return c->input(i).flat<float>().data(); };
-        j.has_pre = dcmha_block_stage(j.pre, d, pre.R ? pre.R : 1, in(0), in(terms),
-                                      in(terms + 1), in(terms + 2), in(terms + 3), pre_flags_);
-        j.has_post = dcmha_block_stage(j.post, d, post.R ? post.R : 1, in(0), in(terms + 4),
-                                       in(terms + 5), in(terms + 6), in(terms + 7),
-                                       post_flags_);
-        j.x = in(0);
-        if (has_vis_) {
-            j.vis = reinterpret_cast<const uint8_t *>(vis.flat<bool>().data());
-            j.vis_b = v[0];
-        }
-        j.masked = masked_;
+        const float *t[8];
+        for (int i = 0; i < 8; i++) t[i] = c->input(terms + i).flat<float>().data();
+        j = dcmha_block_job(d, x.flat<float>().data(), t, pre, post, pre_flags_, post_flags_,
+                            has_vis_ ? reinterpret_cast<const uint8_t *>(vis.flat<bool>().data())
+                                     : nullptr,
+                            v[0], masked_);
         return true;
-    }
-    static int run(OpKernelContext *c, const DcmhaBlockProbs &j, int backward) {
-        const auto *workers = c->device()->tensorflow_cpu_worker_threads();
-        const int64_t threads = workers && workers->workers ? workers->num_threads : 0;
-        return dcmha_block_probs_split(j, backward, threads,
-                                       [workers](std::function<void()> task) {
-                                           workers->workers->Schedule(std::move(task));
-                                       });
     }
     int64_t pre_flags_, post_flags_, has_vis_;
     float masked_;
@@ -237,7 +233,7 @@ class DcmhaBlockProbsForwardOp : public DcmhaBlockProbsOp {
         OP_REQUIRES_OK(c, c->allocate_output(1, c->input(0).shape(), &p));
         j.out = out->flat<float>().data();
         j.p = p->flat<float>().data();
-        OP_REQUIRES(c, run(c, j, 0) == 0,
+        OP_REQUIRES(c, split(c, j, 0) == 0,
                     errors::ResourceExhausted("dcmha compose: out of memory"));
     }
 };
@@ -252,19 +248,14 @@ class DcmhaBlockProbsBackwardOp : public DcmhaBlockProbsOp {
         for (int i = 0; i < 9; i++)
             OP_REQUIRES_OK(c, c->allocate_output(i, c->input(i == 0 ? 0 : i + 2).shape(),
                                                  &outs[i]));
-        Args *stages[2] = {&j.pre, &j.post};
-        const int64_t flags[2] = {pre_flags_ & DCMHA_TERM_BITS, post_flags_ & DCMHA_TERM_BITS};
-        for (int i = 0; i < 2; i++) {
-            Tensor **d = outs + 1 + 4 * i;
-            dcmha_grads(*stages[i], d[0]->flat<float>().data(), d[0]->NumElements(),
-                        d[1]->flat<float>().data(), d[2]->flat<float>().data(),
-                        d[1]->NumElements(), d[3]->flat<float>().data(), d[3]->NumElements(),
-                        flags[i]);
-        }
+        float *d[8];
+        int64_t n[8];
+        gradient_outputs(outs + 1, 8, d, n);
+        dcmha_block_grads(j, d, n, pre_flags_, post_flags_);
         j.p = const_cast<float *>(c->input(1).flat<float>().data());
         j.g = c->input(2).flat<float>().data();
         j.dx = outs[0]->flat<float>().data();
-        OP_REQUIRES(c, run(c, j, 1) == 0,
+        OP_REQUIRES(c, split(c, j, 1) == 0,
                     errors::ResourceExhausted("dcmha compose: out of memory"));
     }
 };
@@ -305,7 +296,7 @@ class DcmhaQueryMatrixOp : public OpKernel {
         for (int i = 0; i < qw1.dims() && i < 5; i++) q[i] = qw1.dim_size(i);
         for (int i = 0; i < 4; i++) n[i] = c->input(i).NumElements();
         const char *why = dcmha_query_problem(d.data(), d.size(), q, qw1.dims(), n, flags_, &R,
-                                              {});
+                                              nullptr);
         OP_REQUIRES(c, why == nullptr, errors::InvalidArgument(why ? why : ""));
         const float *t[4];
         for (int i = 0; i < 4; i++) t[i] = c->input(i).flat<float>().data();

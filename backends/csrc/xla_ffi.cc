@@ -39,10 +39,12 @@ static const char *problem(F32 x, F32 wq, F32 kw1, F32 kw2, F32 kdd, int64_t fla
                                flags);
 }
 
-/* dcmha_compose_split on XLA's intra-op thread pool (the one its CPU ops run on); num_threads
-   is 0 where XLA offers none, and the call then runs whole on this thread. */
-static int split(ffi::ThreadPool &pool, const Args &a, int backward) {
-    return dcmha_compose_split(a, backward, pool.num_threads(),
+/* dcmha_compose_split of a compose's Args or a block's DcmhaBlockProbs on XLA's intra-op
+   thread pool (the one its CPU ops run on); num_threads is 0 where XLA offers none, and the
+   call then runs whole on this thread. */
+template <typename Job>
+static int split(ffi::ThreadPool &pool, const Job &job, int backward) {
+    return dcmha_compose_split(job, backward, pool.num_threads(),
                                [&pool](auto task) { pool.Schedule(std::move(task)); });
 }
 
@@ -77,9 +79,11 @@ static ffi::Error Backward(ffi::ThreadPool pool, F32 x, F32 g, F32 wq, F32 kw1, 
                kw1.typed_data(), kw2.typed_data(), kdd.typed_data(), flags);
     a.g = g.typed_data();
     a.out = dx->typed_data();
-    dcmha_grads(a, dwq->typed_data(), dwq->element_count(), dkw1->typed_data(),
-                dkw2->typed_data(), dkw1->element_count(), dkdd->typed_data(),
-                dkdd->element_count(), flags);
+    float *const d[4] = {dwq->typed_data(), dkw1->typed_data(), dkw2->typed_data(),
+                         dkdd->typed_data()};
+    const int64_t n[4] = {(int64_t)dwq->element_count(), (int64_t)dkw1->element_count(),
+                          (int64_t)dkw2->element_count(), (int64_t)dkdd->element_count()};
+    dcmha_grads(a, d, n, flags);
     if (split(pool, a, 1)) return ffi::Error::Internal("dcmha compose: out of memory");
     return ffi::Error::Success();
 }
@@ -91,20 +95,18 @@ static ffi::Error query(F32 qw1, F32 qw2, F32 qdd, F32 st, const int64_t *d, siz
                         float *wq, const float *dwq, Out *grads, int64_t flags) {
     const int64_t n[4] = {(int64_t)qw1.element_count(), (int64_t)qw2.element_count(),
                           (int64_t)qdd.element_count(), (int64_t)st.element_count()};
-    int64_t R;
-    const char *why = grads
-        ? dcmha_query_problem(d, nd, qw1.dimensions().begin(), qw1.dimensions().size(), n,
-                              flags, &R, {(int64_t)grads[0]->element_count(),
-                                          (int64_t)grads[1]->element_count(),
-                                          (int64_t)grads[2]->element_count(),
-                                          (int64_t)grads[3]->element_count()})
-        : dcmha_query_problem(d, nd, qw1.dimensions().begin(), qw1.dimensions().size(), n,
-                              flags, &R, {});
-    if (why) return ffi::Error::InvalidArgument(why);
-    const float *t[4] = {qw1.typed_data(), qw2.typed_data(), qdd.typed_data(), st.typed_data()};
+    int64_t R, n_grads[4];
     float *dt[4] = {nullptr, nullptr, nullptr, nullptr};
     if (grads)
-        for (int i = 0; i < 4; i++) dt[i] = grads[i]->typed_data();
+        for (int i = 0; i < 4; i++) {
+            n_grads[i] = grads[i]->element_count();
+            dt[i] = grads[i]->typed_data();
+        }
+    if (const char *why = dcmha_query_problem(d, nd, qw1.dimensions().begin(),
+                                              qw1.dimensions().size(), n, flags, &R,
+                                              grads ? n_grads : nullptr))
+        return ffi::Error::InvalidArgument(why);
+    const float *t[4] = {qw1.typed_data(), qw2.typed_data(), qdd.typed_data(), st.typed_data()};
     dcmha_query_run(d, R, t, wq, dwq, dt, n, flags, grads != nullptr);
     return ffi::Error::Success();
 }
@@ -147,30 +149,18 @@ static const char *block_problem(F32 x, F32 pq, F32 pk1, F32 pk2, F32 pkd, F32 o
                                vis.dimensions().begin(), same);
 }
 
+/* dcmha_block_job over the FFI buffers (checked by block_problem). */
 static DcmhaBlockProbs block_job(F32 x, F32 pq, F32 pk1, F32 pk2, F32 pkd, F32 oq, F32 ok1,
                                  F32 ok2, F32 okd, Pred vis, int64_t pre_flags,
                                  int64_t post_flags, int64_t has_vis, float masked) {
-    DcmhaBlockProbs j;
-    const int64_t *d = x.dimensions().begin();
-    const DcmhaTermSizes pre = sizes(pq, pk1, pk2, pkd), post = sizes(oq, ok1, ok2, okd);
-    j.has_pre = dcmha_block_stage(j.pre, d, pre.R ? pre.R : 1, x.typed_data(), pq.typed_data(),
-                                  pk1.typed_data(), pk2.typed_data(), pkd.typed_data(),
-                                  pre_flags);
-    j.has_post = dcmha_block_stage(j.post, d, post.R ? post.R : 1, x.typed_data(),
-                                   oq.typed_data(), ok1.typed_data(), ok2.typed_data(),
-                                   okd.typed_data(), post_flags);
-    j.x = x.typed_data();
-    if (has_vis) {
-        j.vis = reinterpret_cast<const uint8_t *>(vis.typed_data());
-        j.vis_b = vis.dimensions()[0];
-    }
-    j.masked = masked;
-    return j;
-}
-
-static int block_split(ffi::ThreadPool &pool, const DcmhaBlockProbs &j, int backward) {
-    return dcmha_block_probs_split(j, backward, pool.num_threads(),
-                                   [&pool](auto task) { pool.Schedule(std::move(task)); });
+    const float *t[8] = {pq.typed_data(), pk1.typed_data(), pk2.typed_data(),
+                         pkd.typed_data(), oq.typed_data(), ok1.typed_data(),
+                         ok2.typed_data(), okd.typed_data()};
+    return dcmha_block_job(x.dimensions().begin(), x.typed_data(), t, sizes(pq, pk1, pk2, pkd),
+                           sizes(oq, ok1, ok2, okd), pre_flags, post_flags,
+                           has_vis ? reinterpret_cast<const uint8_t *>(vis.typed_data())
+                                   : nullptr,
+                           has_vis ? vis.dimensions()[0] : 1, masked);
 }
 
 /* x (B, G, M, t, s), the pre stage's wq, kw1, kw2, kdd, the post stage's, vis (a 1-element
@@ -189,7 +179,7 @@ static ffi::Error BlockProbsForward(ffi::ThreadPool pool, F32 x, F32 pq, F32 pk1
                                   post_flags, has_vis, masked);
     j.p = p->typed_data();
     j.out = out->typed_data();
-    if (block_split(pool, j, 0)) return ffi::Error::Internal("dcmha compose: out of memory");
+    if (split(pool, j, 0)) return ffi::Error::Internal("dcmha compose: out of memory");
     return ffi::Error::Success();
 }
 
@@ -208,24 +198,22 @@ static ffi::Error BlockProbsBackward(ffi::ThreadPool pool, F32 x, F32 p, F32 g, 
         return ffi::Error::InvalidArgument(why);
     const F32 terms[8] = {pq, pk1, pk2, pkd, oq, ok1, ok2, okd};
     Out grads[8] = {dpq, dpk1, dpk2, dpkd, doq, dok1, dok2, dokd};
-    for (int i = 0; i < 8; i++)
+    float *d[8];
+    int64_t n[8];
+    for (int i = 0; i < 8; i++) {
         if (grads[i]->element_count() != terms[i].element_count())
             return ffi::Error::InvalidArgument("dcmha compose: each term's gradient must have "
                                                "the term's shape");
+        d[i] = grads[i]->typed_data();
+        n[i] = grads[i]->element_count();
+    }
     DcmhaBlockProbs j = block_job(x, pq, pk1, pk2, pkd, oq, ok1, ok2, okd, vis, pre_flags,
                                   post_flags, has_vis, masked);
-    Args *stages[2] = {&j.pre, &j.post};
-    const int64_t flags[2] = {pre_flags & DCMHA_TERM_BITS, post_flags & DCMHA_TERM_BITS};
-    for (int i = 0; i < 2; i++) {
-        Out *d = grads + 4 * i;
-        dcmha_grads(*stages[i], d[0]->typed_data(), d[0]->element_count(), d[1]->typed_data(),
-                    d[2]->typed_data(), d[1]->element_count(), d[3]->typed_data(),
-                    d[3]->element_count(), flags[i]);
-    }
+    dcmha_block_grads(j, d, n, pre_flags, post_flags);
     j.p = const_cast<float *>(p.typed_data());
     j.g = g.typed_data();
     j.dx = dx->typed_data();
-    if (block_split(pool, j, 1)) return ffi::Error::Internal("dcmha compose: out of memory");
+    if (split(pool, j, 1)) return ffi::Error::Internal("dcmha compose: out of memory");
     return ffi::Error::Success();
 }
 

@@ -121,13 +121,11 @@ _query_ffi.defvjp(_query_ffi_fwd, _query_ffi_bwd)
 # ---------------------------------------------------------------------------
 
 def _block_attrs(vis, flags):
-    pre_flags, post_flags = flags
-    return dict(pre_flags=np.int64(pre_flags), post_flags=np.int64(post_flags),
-                has_vis=np.int64(vis is not None), masked=np.float32(spec_terms.MASKED_SCORE))
+    return cpu_blocks.block_attrs(vis, *flags, integer=np.int64, real=np.float32)
 
 
 def _vis_operand(vis):
-    return np.ones((1, 1, 1), bool) if vis is None else vis
+    return np.ones(cpu_blocks.NO_VIS_SHAPE, bool) if vis is None else vis
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -20,7 +20,6 @@ import ctypes
 import tensorflow as tf
 
 from dcmha import ops as dops
-from dcmha.spec.terms import MASKED_SCORE
 
 from .. import cpu_blocks, cpu_kernel
 
@@ -60,7 +59,7 @@ def _build():
         # p (output 1) is read only by this gradient, so its own upstream gradient is None
         x, *rest = op.inputs
         grads = module.dcmha_block_probs_backward(
-            x, op.outputs[1], g, *rest, **{n: op.get_attr(n) for n in _BLOCK_ATTRS})
+            x, op.outputs[1], g, *rest, **{n: op.get_attr(n) for n in cpu_blocks.BLOCK_ATTRS})
         return [*grads, None]                    # none for vis
 
     @tf.RegisterGradient("DcmhaQueryMatrix")
@@ -69,9 +68,6 @@ def _build():
 
     tf.RegisterGradient("DcmhaDynamicWeights")(_dynamic_weights_grad)
     return module, None
-
-
-_BLOCK_ATTRS = ("pre_flags", "post_flags", "has_vis", "masked")
 
 
 _DYNAMIC_NAMES = ("w1", "w2", "dd")     # the op's output lists, in order
@@ -113,9 +109,8 @@ def _primitives(module):
     def probs(x, pre, post, vis, pre_flags, post_flags):
         """A block's compose, masked softmax and compose (``DcmhaBlockProbsForward``)."""
         out, _ = module.dcmha_block_probs_forward(
-            x, *pre, *post, tf.ones((1, 1, 1), tf.bool) if vis is None else vis,
-            pre_flags=int(pre_flags), post_flags=int(post_flags), has_vis=int(vis is not None),
-            masked=float(MASKED_SCORE))
+            x, *pre, *post, tf.ones(cpu_blocks.NO_VIS_SHAPE, tf.bool) if vis is None else vis,
+            **cpu_blocks.block_attrs(vis, pre_flags, post_flags))
         return out
 
     def query_matrix(qw1, qw2, qdd, static, flags, shape):
