@@ -11,7 +11,7 @@ import numpy as np
 
 __all__ = ["readable_value", "to_layer_device", "arange_int32", "stack", "unstack",
            "eager_slice_write", "cache_writer", "step_dynamic_weights", "fused_query",
-           "fused_query_projection", "call_sublayer", "device", "building_graph",
+           "fused_query_projection", "call_sublayer", "device", "building_graph", "compiles_ops",
            "LOOPED_CHUNKS", "decode_step", "step_index", "prepare_export", "DEMO_JIT_COMPILE",
            "TORCH_MODULES", "SHARD_MAP", "whole_values", "scaled_weight"]
 
@@ -120,6 +120,14 @@ def building_graph():
     ``tf.function``): the registry's rule for paths declared ``graph_only``. Backends that
     compile traces of eager code (``jax.jit``) build no such graph: False."""
     return False
+
+
+def compiles_ops():
+    """Whether the ops being traced are compiled into one program (XLA: ``jax.jit``,
+    TensorFlow's ``jit_compile``), which fuses an einsum's transposes and a slice's
+    gradient away, rather than run one by one (TensorFlow's graph executor): the choice
+    between ``dcmha.ops.dynamic_weights``' two forms."""
+    return True
 
 
 #: Whether many query chunks run as ``ops.map`` loops (a traced program stays bounded)

@@ -74,6 +74,24 @@ def building_graph():
     return not tf.executing_eagerly()
 
 
+def in_xla_context():
+    """Whether TensorFlow is tracing for XLA (``tf.function(jit_compile=True)``)."""
+    import tensorflow as tf
+    if tf.executing_eagerly():
+        return False
+    try:
+        from tensorflow.python.ops import control_flow_util
+        return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+    except (ImportError, AttributeError):  # private API moved: nesting still works, slower
+        return False
+
+
+def compiles_ops():
+    """Only inside a trace for XLA: ``tf.function`` graphs without it, and eager calls,
+    run their ops one by one."""
+    return in_xla_context()
+
+
 LOOPED_CHUNKS = True
 
 

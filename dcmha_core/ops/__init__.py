@@ -43,6 +43,7 @@ from dcmha.framework._common import as_dtype, dtype_name
 from dcmha.ops.composition import (LOW_RANK_TERMS, compose, compose_matrices, decode_compose,
                                    dynamic_weights, fused_query_projection, kernel_stages,
                                    plain_dynamic_weights, query_compose_matrix, rms_normalize,
+                                   slot_dynamic_weights,
                                    stage_terms)
 from dcmha.ops.core import (IMPLEMENTATION, MAX_UNROLLED_CHUNKS, attention,
                             auto_query_chunk_size, block_mask, core_result, dcmha_attention,
@@ -56,6 +57,7 @@ __all__ = ["dcmha_attention", "explain_implementation", "core_result", "IMPLEMEN
            "attention", "compose", "compose_matrices", "query_compose_matrix", "decode_compose",
            "kernel_stages", "stage_terms", "LOW_RANK_TERMS", "block_mask", "standardize_mask",
            "key_range", "dynamic_weights", "fused_query_projection", "plain_dynamic_weights",
+           "slot_dynamic_weights",
            "one_query_probs", "auto_query_chunk_size", "split_blocks", "join_blocks",
            "MAX_UNROLLED_CHUNKS", "rms_normalize", "rope", "dtype_name", "as_dtype", "stack",
            "unstack", "write_slice", "cache_writer", "arange_int32", "QK_NORM_EPS",

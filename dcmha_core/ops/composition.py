@@ -4,8 +4,9 @@ dynamic terms themselves.
 
 ``dynamic_weights`` computes the input-dependent ``w1``, ``w2`` and ``dd`` of each
 compose slot from a side's input x (B, L, D) (``plain_dynamic_weights`` with
-``keras.ops``; the seam, ``dcmha.framework``, may supply a backend's own step:
-``step_dynamic_weights``, ``fused_query_projection``). ``compose_matrices`` folds every
+``keras.ops``, or ``slot_dynamic_weights`` where ops run one by one; the seam,
+``dcmha.framework``, may supply a backend's own step: ``step_dynamic_weights``,
+``fused_query_projection``). ``compose_matrices`` folds every
 term (and the residual) into two small factors, one per side; ``compose`` applies them
 to a full tensor; ``decode_compose`` is the same arithmetic for one query, with the
 key-side terms in low-rank form.
@@ -211,6 +212,9 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
     C = len(slots)
     split = framework.step_dynamic_weights(x, *weights, C=C, rank=rank,
                                            gelu_approximate=gelu_approximate)
+    if split is None and not framework.compiles_ops():
+        split = slot_dynamic_weights(x, dw1, qkw, dd, C=C, rank=rank,
+                                     gelu_approximate=gelu_approximate)
     if split is None:
         stacked = plain_dynamic_weights(x, dw1, qkw, dd, C=C, rank=rank,
                                         gelu_approximate=gelu_approximate)
@@ -263,6 +267,53 @@ def plain_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
         D, G, CM = dd.shape
         dd4 = ops.reshape(as_dtype(dd, "float32"), (D, G, C, CM // C))
         out["dd"] = ops.tanh(ops.einsum("bld,dgcm->blgcm", x, dd4))
+    return out
+
+
+def slot_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
+    """``plain_dynamic_weights``' arithmetic split into the C slots: {"w1", "w2": [C
+    arrays (B, L, G, R, M)], "dd": [C arrays (B, L, G, M)]} (those present).
+
+    The form for a framework that runs ops one by one (``dcmha.framework.compiles_ops()``
+    False: TensorFlow's graph executor): x . dw1 and x . dd are one matrix product each
+    whose columns are ordered slot-major, split on their last axis, and each slot's w1
+    and w2 are one product of its hidden vector with its half of qkw, so no activation is
+    sliced on an inner axis or transposed. There the einsums' transposes and the slices'
+    gradients of the stacked form cost more than its arithmetic; XLA fuses them away and
+    runs the stacked form faster (``benchmarks/RESULTS.md``, "A model's training step")."""
+    x = as_dtype(x, "float32")
+    D = x.shape[-1]
+
+    def slot_major(w, G, C, n):
+        """w (D, G, C, n) as (D, C * G * n), columns ordered (C, G, n)."""
+        return ops.reshape(ops.transpose(as_dtype(w, "float32"), (0, 2, 1, 3)), (D, C * G * n))
+
+    def per_slot(y, G, n):
+        """y (B, L, C * G * n) -> C arrays (B, L, G, n)."""
+        return [ops.reshape(part, (*ops.shape(part)[:2], G, n))
+                for part in ops.split(y, C, axis=-1)]
+
+    out = {}
+    if dw1 is not None:
+        _, G, _, K = dw1.shape
+        M = qkw.shape[-1]
+        h = ops.gelu(ops.matmul(x, slot_major(dw1, G, C, K)), approximate=gelu_approximate)
+        qkw = as_dtype(qkw, "float32")
+        w1s, w2s = [], []
+        for c, hc in enumerate(per_slot(h, G, K)):        # hc (B, L, G, K)
+            for half, dst in ((qkw[:, c, :, :rank], w1s), (qkw[:, c, :, rank:], w2s)):
+                # (G, K, R, M): one (K, R*M) product per group
+                flat = ops.reshape(half, (G, K, rank * M))
+                w = (ops.matmul(hc[:, :, 0], flat[0])[:, :, None] if G == 1
+                     else ops.einsum("blgk,gkn->blgn", hc, flat))
+                dst.append(ops.reshape(w, (*ops.shape(w)[:3], rank, M)))
+        out["w1"] = [rms_normalize(w, W1_NORM_EPS) for w in w1s]
+        out["w2"] = w2s
+    if dd is not None:
+        _, G, CM = dd.shape
+        M = CM // C
+        dd4 = ops.reshape(dd, (D, G, C, M))
+        out["dd"] = per_slot(ops.tanh(ops.matmul(x, slot_major(dd4, G, C, M))), G, M)
     return out
 
 

@@ -19,8 +19,10 @@ import keras
 from keras import ops
 
 from dcmha import framework
+from dcmha import ops as dops
 from dcmha import registry
 from dcmha.spec import reference
+from dcmha.spec.tolerance import tolerance
 
 BACKEND = keras.backend.backend()
 
@@ -208,6 +210,58 @@ def test_step_dynamic_weights_is_none_or_the_spec(rng):
         assert len(arrays) == len(SLOTS)
         for slot, a in zip(SLOTS, arrays):
             np.testing.assert_allclose(np_(a), want[slot][name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("G", [1, 2])
+@pytest.mark.parametrize("parts", ["both", "projection", "gating"])
+def test_both_forms_of_the_dynamic_weights_are_the_spec(rng, G, parts):
+    """``plain_dynamic_weights`` (stacked, for compiled programs) and
+    ``slot_dynamic_weights`` (per slot, for op-by-op executors) against the reference."""
+    case = _dynamic_case(rng, rows=5)
+    C, R = len(SLOTS), case["R"]
+    dw1, qkw, dd = case["dw1"][:, :G], case["qkw"][:G], case["dd"][:, :G]
+    if parts == "gating":
+        dw1 = qkw = None
+    if parts == "projection":
+        dd = None
+    want = reference.dynamic_weights(case["x"], dw1, qkw, dd, SLOTS, R, True)
+    t = lambda a: None if a is None else ops.convert_to_tensor(a)  # noqa: E731
+    args = (t(case["x"]), t(dw1), t(qkw), t(dd))
+    stacked = dops.plain_dynamic_weights(*args, C=C, rank=R, gelu_approximate=True)
+    split = dops.slot_dynamic_weights(*args, C=C, rank=R, gelu_approximate=True)
+    names = sorted(want[SLOTS[0]])
+    assert sorted(stacked) == sorted(split) == names
+    for name in names:
+        assert len(split[name]) == C
+        for c, slot in enumerate(SLOTS):
+            expected = want[slot][name]      # the conformance suite's float32 tolerance
+            tol = tolerance(f"dynamic/{slot}/{name}", expected, "float32", 0.0)
+            np.testing.assert_allclose(np_(stacked[name])[:, :, :, c], expected, **tol)
+            assert tuple(split[name][c].shape) == expected.shape
+            np.testing.assert_allclose(np_(split[name][c]), expected, **tol)
+
+
+def test_compiles_ops_picks_the_form():
+    """Only TensorFlow outside a trace for XLA runs its ops one by one."""
+    if BACKEND != "tensorflow":
+        assert framework.compiles_ops() is True
+        return
+    import tensorflow as tf
+    assert framework.compiles_ops() is False                     # eager
+    seen = {}
+
+    @tf.function(jit_compile=False)
+    def graph():
+        seen["graph"] = framework.compiles_ops()
+        return tf.constant(0)
+
+    @tf.function(jit_compile=True)
+    def xla():
+        seen["xla"] = framework.compiles_ops()
+        return tf.constant(0)
+    graph()
+    xla()
+    assert seen == {"graph": False, "xla": True}
 
 
 def test_fused_query_projection_is_none_or_the_spec(rng):
