@@ -17,7 +17,10 @@ step, eager under ``torch.no_grad()``; onnxruntime runs the decode graph,
 each compose a ``dcmha.Compose*`` node, which ``dcmha.export.session`` runs as the
 compiled compose kernel (``dcmha.export.ort_ops``). ``--ort-plain`` adds a second
 onnxruntime worker on the graphs exported with ``compose_nodes=False`` (every
-compose as plain ops), column "ort plain", which the ratio leaves out. Dtypes: the Keras models are built in that
+compose as plain ops) in a bare ``onnxruntime.InferenceSession`` with onnxruntime's
+default options (what a deployment without dcmha installed runs), column "ort plain",
+which "fastest/ort" leaves out; "plain/fastest" is its median over the fastest Keras
+backend's (below 1: the plain session is faster). Dtypes: the Keras models are built in that
 dtype, the ONNX graph is exported in it (float16 graphs keep scores, compose and
 softmax in float32, as the layer does).
 
@@ -208,7 +211,14 @@ class OrtWorker:
         from dcmha.export.verification import read_export_metadata
 
         path = graph_path(self.tmp, case, mode, dtype, self.plain)
-        sess = core.session(path, threads=self.args.threads)
+        if self.plain:   # what a deployment without dcmha installed runs: onnxruntime's defaults
+            import onnxruntime as ort
+            so = ort.SessionOptions()
+            if self.args.threads:
+                so.intra_op_num_threads = self.args.threads
+            sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        else:
+            sess = core.session(path, threads=self.args.threads)
         np_dtype = core.NP_DTYPES[dtype]
         feeds = dict(np.load(inputs))
         feed = {sess.get_inputs()[0].name: feeds["x"].astype(np_dtype)}
@@ -466,6 +476,9 @@ def _measure(args, workers, case, mode, dtype, inputs, errors):
         fastest = min(stats, key=lambda b: stats[b]["ms"])
         row["fastest_keras"] = fastest
         row["fastest_keras_over_ort"] = stats[fastest]["ms"] / row[ORT]["ms"]
+    if stats and ORT_PLAIN in row:   # the plain session's time as a share of Keras's
+        fastest = min(stats, key=lambda b: stats[b]["ms"])
+        row["ort_plain_over_fastest_keras"] = row[ORT_PLAIN]["ms"] / stats[fastest]["ms"]
     return row
 
 
@@ -479,7 +492,8 @@ def _print(result, backends):
     head = f"{'case':<6} {'mode':<8} {'dtype':<8} {'onnxruntime':>22}"
     for b in backends:
         head += f" {b:>22}"
-    print(head + f" {'fastest/ort':>12}")
+    plain = ORT_PLAIN in backends
+    print(head + f" {'fastest/ort':>12}" + (f" {'plain/fastest':>14}" if plain else ""))
 
     def cell(s):
         return f"{s['ms']:.2f} [{s['iqr_ms'][0]:.2f}-{s['iqr_ms'][1]:.2f}]" if s else "-"
@@ -488,7 +502,11 @@ def _print(result, backends):
         for b in backends:
             line += f" {cell(row.get(b) if b == ORT_PLAIN else row['keras'].get(b)):>22}"
         ratio = row.get("fastest_keras_over_ort")
-        print(line + f" {'-' if ratio is None else f'{ratio:.2f}':>12}")
+        line += f" {'-' if ratio is None else f'{ratio:.2f}':>12}"
+        if plain:
+            share = row.get("ort_plain_over_fastest_keras")
+            line += f" {'-' if share is None else f'{share:.2f}':>14}"
+        print(line)
     diffs = {f"{r['case']}/{r['mode']}/{r['dtype']}/{b}": s.get("max_rel_diff")
              for r in result["rows"] for b, s in r["keras"].items()}
     print("max relative difference of each Keras output from onnxruntime's: " + ", ".join(
