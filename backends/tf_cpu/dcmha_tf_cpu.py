@@ -74,23 +74,23 @@ _DYNAMIC_NAMES = ("w1", "w2", "dd")     # the op's output lists, in order
 
 
 def _dynamic_weights_grad(op, *upstream):
-    """``DcmhaDynamicWeights``' gradient: the plain form's (``plain_dynamic_weights``),
-    for x and the weights (zeros for the dummies of absent parts). A registered gradient
-    rather than ``tf.custom_gradient``, whose identity ops would sit in every step's
-    graph."""
+    """``DcmhaDynamicWeights``' gradient: that of ``slot_dynamic_weights`` (the form for
+    TensorFlow's graphs, already split into the slots), for x and the weights (zeros for
+    the dummies of absent parts). A registered gradient rather than ``tf.custom_gradient``,
+    whose identity ops would sit in every step's graph."""
     C, rank = op.get_attr("c"), op.get_attr("rank")
     present = (op.get_attr("has_projection"),) * 2 + (op.get_attr("has_gating"),)
     x, dw1, qkw, dd = op.inputs
     inputs = [x, dw1, qkw, dd]
     with tf.GradientTape() as tape:
         tape.watch(inputs)
-        plain = dops.plain_dynamic_weights(
+        split = dops.slot_dynamic_weights(
             x, dw1 if present[0] else None, qkw if present[0] else None,
             dd if present[2] else None, C=C, rank=rank,
             gelu_approximate=bool(op.get_attr("gelu_approximate")))
         pairs = [(p, upstream[i * C + c])
                  for i, n in enumerate(_DYNAMIC_NAMES) if present[i]
-                 for c, p in enumerate(tf.unstack(plain[n], C, axis=3))
+                 for c, p in enumerate(split[n])
                  if upstream[i * C + c] is not None]
     if not pairs:
         return [tf.zeros_like(t) for t in inputs]
