@@ -56,9 +56,10 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 ARCH = 90
 
 #: The shapes of ``--shapes``, besides the test cases: name -> [(case id, sizes, call
-#: arguments)], all d = 128, bfloat16, every compose term in both stages, the kernels'
-#: default tiles. "paper": benchmarks/gpu_timings.py's (N = 16 heads in G = 2 groups, M = 8);
-#: "heads": the paper's heads per group, M = 16 and 32 (one group; N = M), causal.
+#: arguments)], bfloat16, every compose term in both stages, the kernels'
+#: default tiles. "paper": d = 128, benchmarks/gpu_timings.py's (N = 16 heads in G = 2 groups, M = 8);
+#: "heads": d = 128 and the paper's heads per group, M = 16 and 32 (one group; N = M), causal;
+#: "d64": head dim 64 (the paper's 405M model: 16 heads of 64), M = 8 and 16, causal.
 SHAPES = {
     "paper": [(f"paper_{name}", dict(B=2, T=4096, S=4096, N=16, N_kv=16, d=128, d_v=128,
                                      G=2, R=2), call)
@@ -67,6 +68,9 @@ SHAPES = {
     "heads": [(f"heads_m{M}", dict(B=2, T=4096, S=4096, N=M, N_kv=M, d=128, d_v=128, G=1,
                                    R=2), dict(causal=True))
               for M in (16, 32)],
+    "d64": [(f"d64_m{M}", dict(B=2, T=4096, S=4096, N=M, N_kv=M, d=64, d_v=64, G=1, R=2),
+             dict(causal=True))
+            for M in (8, 16)],
 }
 
 

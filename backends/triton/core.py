@@ -21,7 +21,10 @@ Rules:
   before Triton is imported); q is a CUDA tensor but Triton runs interpreted; the
   process imported TensorFlow before Triton; attention scores while autograd
   records (the kernel's scores are not differentiable); pre and post stages with
-  different ranks R (the kernel takes one R).
+  different ranks R (the kernel takes one R); on a GPU, kernels that ask for more
+  shared memory per block than it gives (``dcmha_triton.over_shared_memory``: a program
+  holds all heads of a group, so at 16 or more heads per group and head dim 128 they do
+  not fit an H100), so that "auto" passes over Triton there (the "ops" core runs).
 * ``preferred(call)``: q is a CUDA tensor and Triton is installed (so
   ``implementation="auto"`` never imports Triton for CPU tensors).
 
@@ -91,14 +94,38 @@ def unsupported(call):
     if "tensorflow" in sys.modules and "triton" not in sys.modules:
         return ("cannot import Triton in this process: TensorFlow is imported, and importing "
                 "Triton after TensorFlow aborts the process")
-    if call.return_attention_scores:
-        import torch
-
-        if torch.is_grad_enabled() and any(
-                getattr(x, "requires_grad", False) for x in _tensors(call)):
-            return ("returns attention scores that are not differentiable, and autograd is "
-                    "recording; call under torch.no_grad() or use implementation='ops'")
+    if call.return_attention_scores and _recording(call):
+        return ("returns attention scores that are not differentiable, and autograd is "
+                "recording; call under torch.no_grad() or use implementation='ops'")
+    if device == "cuda":
+        return _shared_memory_problem(call)
     return None
+
+
+def _shared_memory_problem(call):
+    """Why the kernels ``call`` will launch ask for more shared memory per block than q's
+    GPU gives (``dcmha_triton.over_shared_memory``), or None."""
+    import torch
+
+    from . import dcmha_triton
+    # ``attention`` hands the kernels float32 q, k, v.
+    return dcmha_triton.over_shared_memory(call, _shared_memory_limit(call.q.device),
+                                           backward=_recording(call), dtype=torch.float32)
+
+
+def _recording(call) -> bool:
+    """Whether autograd records the call (the backward kernels will run)."""
+    import torch
+    return torch.is_grad_enabled() and any(
+        getattr(x, "requires_grad", False) for x in _tensors(call))
+
+
+def _shared_memory_limit(device) -> int:
+    """Bytes of shared memory the GPU ``device`` gives one block (what Triton checks at
+    launch)."""
+    from triton.compiler.compiler import max_shared_mem
+    index = getattr(device, "index", None)
+    return max_shared_mem(0 if index is None else index)
 
 
 def preferred(call) -> bool:

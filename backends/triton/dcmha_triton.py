@@ -29,7 +29,8 @@ interpreter when ``TRITON_INTERPRET=1`` is set before Triton is first imported.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional
+import functools
+from typing import Dict, Mapping, Optional
 
 import torch
 import triton
@@ -47,7 +48,7 @@ from .tiles import QW as _QW
 from .tiles import STATIC as _STATIC
 
 __all__ = ["BlockSizes", "dcmha_attention", "dcmha_attention_call", "dcmha_attention_reference",
-           "is_available"]
+           "is_available", "over_shared_memory", "shared_memory"]
 
 #: The names a ``pre`` / ``post`` dict may hold, in the order the kernels take them
 #: (``dcmha.spec.terms``).
@@ -117,13 +118,15 @@ class _Problem(torch_common.Problem):
     blocks: BlockSizes
 
 
+#: The kernels' TERMS bit of each term a stage may hold (both terms of a pair share one).
+_TERM_BITS = (("qw1", _QW), ("qw2", _QW), ("kw1", _KW), ("kw2", _KW), ("qdd", _QDD),
+              ("kdd", _KDD), ("static", _STATIC))
+
+
 def _terms(stage: Optional[Mapping]) -> int:
-    if not stage:
-        return 0
     bits = 0
-    for name, bit in (("qw1", _QW), ("kw1", _KW), ("qdd", _QDD), ("kdd", _KDD),
-                      ("static", _STATIC)):
-        if stage.get(name) is not None:
+    for name, bit in _TERM_BITS:
+        if stage and stage.get(name) is not None:
             bits |= bit
     return bits
 
@@ -188,8 +191,19 @@ def _mask_args(mask, pb: _Problem, device):
 
 
 def _launch(kernel, grid, *args, **meta):
-    """Launch (compiling on first use) one kernel: every launch of this module goes here."""
-    kernel[grid](*args, **meta)
+    """Launch (compiling on first use) one kernel: every launch of this module goes here.
+
+    A kernel that asks for more shared memory than the GPU gives a block raises a
+    ValueError (``over_shared_memory`` tells before a call)."""
+    try:
+        kernel[grid](*args, **meta)
+    except triton.runtime.errors.OutOfResources as e:
+        raise ValueError(
+            f"The Triton kernel {kernel.__name__} cannot launch on this GPU: it asks for "
+            f"{e.required} bytes of {e.name} per block, and the GPU gives a block "
+            f"{e.limit}. Its programs hold the tiles of all heads of a composition group: "
+            "use more groups (fewer heads per group), smaller head dims, or the 'torch' "
+            "implementation.") from None
 
 
 def _launch_args(pb: _Problem):
@@ -205,7 +219,9 @@ def _launch_args(pb: _Problem):
     return sizes, meta
 
 
-def _forward(q, k, v, mask, pre_arrays, post_arrays, pb: _Problem, store_p: bool):
+def _forward(q, k, v, mask, pre_arrays, post_arrays, pb: _Problem, store_p: bool,
+             launch=None):
+    """Launch the forward kernel (``launch``: None, this module's ``_launch``)."""
     device = q.device
     o = torch.empty(pb.B, pb.T, pb.N, pb.d_v, dtype=torch.float32, device=device)
     lse = torch.empty(pb.B, pb.N, pb.T, dtype=torch.float32, device=device)
@@ -219,12 +235,14 @@ def _forward(q, k, v, mask, pre_arrays, post_arrays, pb: _Problem, store_p: bool
     grid = (triton.cdiv(pb.T, pb.blocks.block_q), pb.B * pb.G)
     if 0 in grid:   # nothing to compute (B or T is 0)
         return o, lse, (p if store_p else None)
-    _launch(_fwd_kernel, grid, q, k, v, o, lse, p, mask_t, smb, smt, sms, *pre_arrays,
-            *post_arrays, *sizes, **meta)
+    (launch or _launch)(_fwd_kernel, grid, q, k, v, o, lse, p, mask_t, smb, smt, sms,
+                        *pre_arrays, *post_arrays, *sizes, **meta)
     return o, lse, (p if store_p else None)
 
 
-def _backward(q, k, v, do, o, lse, mask, pre_arrays, post_arrays, pb: _Problem):
+def _backward(q, k, v, do, o, lse, mask, pre_arrays, post_arrays, pb: _Problem, launch=None):
+    """Launch the two backward kernels (``launch`` as ``_forward``'s)."""
+    launch = launch or _launch
     device = q.device
     f32 = dict(dtype=torch.float32, device=device)
     mask_t, smb, smt, sms = _mask_args(mask, pb, device)
@@ -260,11 +278,11 @@ def _backward(q, k, v, do, o, lse, mask, pre_arrays, post_arrays, pb: _Problem):
         d_post[4] = None if d_post[4] is None else d_post[4].sum((0, 1))
         return dq, dk_h[:, :, ::pb.N // pb.N_kv], dv_h[:, :, ::pb.N // pb.N_kv], d_pre, d_post
 
-    _launch(
+    launch(
         _bwd_query_kernel, (num_tb, pb.B * pb.G), q, k, v, do, lse, delta, dq, mask_t, smb, smt, sms, *pre_arrays, *post_arrays,
         d_pre[0], d_pre[2], d_pre_st, d_post[0], d_post[2], d_post_st,
         *sizes, num_tb, **meta)
-    _launch(
+    launch(
         _bwd_key_kernel, (triton.cdiv(pb.S, pb.blocks.block_k), pb.B * pb.G), q, k, v, do, lse, delta, dk_h, dv_h, mask_t, smb, smt, sms, *pre_arrays, *post_arrays,
         d_pre[1], d_pre[3], d_post[1], d_post[3], *sizes, **meta)
     rep = pb.N // pb.N_kv
@@ -274,6 +292,62 @@ def _backward(q, k, v, do, o, lse, mask, pre_arrays, post_arrays, pb: _Problem):
     d_pre[4] = d_pre_st.sum((0, 1)) if pb.pre_terms & _STATIC else None
     d_post[4] = d_post_st.sum((0, 1)) if pb.post_terms & _STATIC else None
     return dq, dk, dv, d_pre, d_post
+
+
+def _zero_stage(bits: int, pb: _Problem):
+    """A stage of zeros holding the terms ``bits`` names, at one batch row, query and key."""
+    sizes = dict(B=1, T=1, S=1, G=pb.G, R=pb.R, M=pb.M)
+    return {name: torch.zeros(spec_terms.term_shape(name, sizes))
+            for name, bit in _TERM_BITS if bits & bit}
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(pb: _Problem, dtype, mask: bool, store_p: bool, backward: bool):
+    """``shared_memory`` for a problem of one batch row, query and key (the compiled
+    kernels do not depend on the lengths, offset or window size)."""
+    needs = {}
+
+    def compile_only(kernel, grid, *args, **meta):
+        needs[kernel.__name__] = kernel.warmup(*args, grid=grid, **meta).metadata.shared
+
+    # Warmup takes CPU tensors: it reads dtypes and alignment, launches nothing.
+    q = torch.zeros(1, 1, pb.N, pb.d, dtype=dtype)
+    k = torch.zeros(1, 1, pb.N_kv, pb.d, dtype=dtype)
+    v = torch.zeros(1, 1, pb.N_kv, pb.d_v, dtype=dtype)
+    m = torch.ones(1, 1, 1, dtype=torch.bool) if mask else None
+    pre, post = (_packed(_zero_stage(bits, pb), pb, q.device)
+                 for bits in (pb.pre_terms, pb.post_terms))
+    o, lse, _ = _forward(q, k, v, m, pre, post, pb, store_p, launch=compile_only)
+    if backward:
+        _backward(q, k, v, torch.zeros(o.shape, dtype=dtype), o, lse, m, pre, post, pb,
+                  launch=compile_only)
+    return tuple(needs.items())
+
+
+def shared_memory(call, *, backward: bool, dtype=None) -> Dict[str, int]:
+    """{kernel name: bytes of shared memory per block} of the kernels ``call`` launches
+    (``call`` as ``dcmha_attention_call`` takes it; q's dtype unless ``dtype`` is given):
+    the forward, and with ``backward`` the two backward kernels. They are compiled for the
+    active Triton target (a first launch then finds them in Triton's cache), not launched;
+    compiled Triton only (not ``TRITON_INTERPRET``)."""
+    pb = _problem(call, None, None)
+    pb = dataclasses.replace(pb, B=1, T=1, S=1, offset=0, scale=1.0,
+                             window=None if pb.window is None else 1)
+    return dict(_shared_memory(pb, dtype or call.q.dtype, call.attention_mask is not None,
+                               bool(call.return_attention_scores), bool(backward)))
+
+
+def over_shared_memory(call, limit: int, *, backward: bool, dtype=None) -> Optional[str]:
+    """Why the kernels of ``call`` (``shared_memory``'s arguments) cannot launch on a GPU
+    that gives a block ``limit`` bytes of shared memory (a str), or None when they can."""
+    over = {name: n for name, n in shared_memory(call, backward=backward, dtype=dtype).items()
+            if n > limit}
+    if not over:
+        return None
+    asks = ", ".join(f"{name} {n}" for name, n in over.items())
+    return (f"its kernels ask for more shared memory per block (bytes: {asks}) than the GPU "
+            f"gives one ({limit}): a program holds the tiles of all M = {call.M} heads of a "
+            f"composition group at head dims {call.d} / {call.d_v}")
 
 
 def _unpack_grads(d_arrays, dtypes, R):
