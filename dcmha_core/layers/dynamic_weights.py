@@ -111,7 +111,8 @@ class DynamicWeightProjection(keras.layers.Layer):
         return framework.scaled_weight(v, self.composition_lr_scale)
 
     def call(self, inputs, slots=None):
-        dw1, qkw, dd = (self.weight(n) for n in ("dw1", "qkw", "dd"))
+        # The variables, scaled by dynamic_weights (where compiled, on the products).
+        dw1, qkw, dd = self.dw1, self.qkw, self.dd
         if slots is None or tuple(slots) == self.slots:
             slots = self.slots
         else:
@@ -128,7 +129,8 @@ class DynamicWeightProjection(keras.layers.Layer):
             raise ValueError("The input of DynamicWeightProjection must have shape (B, L, D) "
                              f"with D={self._input_dim}. Received: shape={tuple(inputs.shape)}")
         return dops.dynamic_weights(inputs, dw1, qkw, dd, slots=slots, rank=self.rank,
-                                    gelu_approximate=self.gelu_approximate, check=False)
+                                    gelu_approximate=self.gelu_approximate, check=False,
+                                    weight_scale=self.composition_lr_scale)
 
     def compute_mask(self, inputs, previous_mask=None):
         # Per-position weights: the DCMHA layer consumes the inputs' Keras masks.

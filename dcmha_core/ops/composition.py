@@ -189,7 +189,7 @@ def rms_normalize(x, eps, scale=None):
 
 
 def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approximate=True,
-                    check=True):
+                    check=True, weight_scale=1.0):
     """Input-dependent composition weights, in float32.
 
     Args:
@@ -201,6 +201,12 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
         check: validate the arguments' shapes (``DynamicWeightProjection``, which
             created the weights, passes False: the checks cost a decoding step
             more than the arithmetic).
+        weight_scale: the weights are dw1, qkw and dd times this
+            (``DynamicWeightProjection``'s variables under ``composition_lr_scale``).
+            Compiled programs scale the products, which XLA fuses into the gelu, the
+            normalisation and the tanh that read them; scaling the weights would be a
+            pass over each weight per call (per decoding step). Ops run one by one and
+            the backends' own routes scale the weights (``framework.scaled_weight``).
 
     Returns:
         ``{slot: {"w1": (B, L, G, R, M), "w2": (B, L, G, R, M), "dd": (B, L, G, M)}}``;
@@ -209,15 +215,18 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
     if check:
         _check_dynamic_args(x, dw1, qkw, dd, slots, rank)
     weights = [w.value if isinstance(w, keras.Variable) else w for w in (dw1, qkw, dd)]
+    scaled = weights if weight_scale == 1.0 else [
+        None if w is None else framework.scaled_weight(w, weight_scale) for w in weights]
     C = len(slots)
-    split = framework.step_dynamic_weights(x, *weights, C=C, rank=rank,
+    split = framework.step_dynamic_weights(x, *scaled, C=C, rank=rank,
                                            gelu_approximate=gelu_approximate)
     if split is None and not framework.compiles_ops():
-        split = slot_dynamic_weights(x, dw1, qkw, dd, C=C, rank=rank,
+        split = slot_dynamic_weights(x, *scaled, C=C, rank=rank,
                                      gelu_approximate=gelu_approximate)
     if split is None:
-        stacked = plain_dynamic_weights(x, dw1, qkw, dd, C=C, rank=rank,
-                                        gelu_approximate=gelu_approximate)
+        stacked = plain_dynamic_weights(x, *weights, C=C, rank=rank,
+                                        gelu_approximate=gelu_approximate,
+                                        weight_scale=weight_scale)
         split = {n: ops.unstack(a, C, axis=3) for n, a in stacked.items()}
     return _by_slot(split, slots)
 
@@ -250,23 +259,28 @@ def fused_query_projection(x, kernel, bias, dw1, qkw, dd, *, slots, rank,
     return q, _by_slot({n: framework.unstack(a, 3, len(slots)) for n, a in stacked.items()}, slots)
 
 
-def plain_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
+def plain_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate, weight_scale=1.0):
     """``dynamic_weights`` before the split into slots, with ``keras.ops``:
-    {"w1", "w2": (B, L, G, C, R, M), "dd": (B, L, G, C, M)} (those present)."""
+    {"w1", "w2": (B, L, G, C, R, M), "dd": (B, L, G, C, M)} (those present); the
+    weights times ``weight_scale``, applied to their products."""
     x = as_dtype(x, "float32")
+
+    def scaled(y):
+        return y if weight_scale == 1.0 else y * weight_scale
+
     out = {}
     if dw1 is not None:
-        h = ops.gelu(ops.einsum("bld,dgck->blgck", x, as_dtype(dw1, "float32")),
+        h = ops.gelu(scaled(ops.einsum("bld,dgck->blgck", x, as_dtype(dw1, "float32"))),
                      approximate=gelu_approximate)
         # qkw first: with h first, XLA (jax) copies qkw into a transposed layout at every
         # call (for a decoding step, a copy of the weight per step).
-        w = ops.einsum("gckrm,blgck->blgcrm", as_dtype(qkw, "float32"), h)
+        w = scaled(ops.einsum("gckrm,blgck->blgcrm", as_dtype(qkw, "float32"), h))
         out["w1"] = rms_normalize(w[..., :rank, :], W1_NORM_EPS)
         out["w2"] = w[..., rank:, :]
     if dd is not None:
         D, G, CM = dd.shape
         dd4 = ops.reshape(as_dtype(dd, "float32"), (D, G, C, CM // C))
-        out["dd"] = ops.tanh(ops.einsum("bld,dgcm->blgcm", x, dd4))
+        out["dd"] = ops.tanh(scaled(ops.einsum("bld,dgcm->blgcm", x, dd4)))
     return out
 
 

@@ -241,6 +241,37 @@ def test_both_forms_of_the_dynamic_weights_are_the_spec(rng, G, parts):
             np.testing.assert_allclose(np_(split[name][c]), expected, **tol)
 
 
+@pytest.mark.parametrize("parts", ["both", "projection", "gating"])
+def test_dynamic_weights_of_scaled_variables_are_those_of_the_weights(rng, parts):
+    """Weights held divided by ``weight_scale`` (``composition_lr_scale``): the products
+    scaled (compiled programs: ``plain_dynamic_weights``) and the weights scaled (the
+    other routes ``dynamic_weights`` takes) give the weights' own numbers. With a power of
+    two every product and sum scales exactly, so the numbers are equal, not only close
+    (the forms against the reference: the test above)."""
+    case = _dynamic_case(rng, rows=5)
+    C, R, scale = len(SLOTS), case["R"], 0.125
+    weights = [case["dw1"], case["qkw"], case["dd"]]
+    if parts == "gating":
+        weights[:2] = None, None
+    if parts == "projection":
+        weights[2] = None
+    t = lambda a: None if a is None else ops.convert_to_tensor(a)  # noqa: E731
+    x = t(case["x"])
+    held = [None if w is None else t(w / np.float32(scale)) for w in weights]
+    weights = [t(w) for w in weights]
+    stacked = dops.plain_dynamic_weights(x, *held, C=C, rank=R, gelu_approximate=True,
+                                         weight_scale=scale)
+    want_stacked = dops.plain_dynamic_weights(x, *weights, C=C, rank=R, gelu_approximate=True)
+    by_slot = dops.dynamic_weights(x, *held, slots=SLOTS, rank=R, weight_scale=scale)
+    want_by_slot = dops.dynamic_weights(x, *weights, slots=SLOTS, rank=R)
+    assert sorted(stacked) == sorted(want_stacked)
+    for name in want_stacked:
+        np.testing.assert_array_equal(np_(stacked[name]), np_(want_stacked[name]))
+        for slot in SLOTS:
+            np.testing.assert_array_equal(np_(by_slot[slot][name]),
+                                          np_(want_by_slot[slot][name]))
+
+
 def test_compiles_ops_picks_the_form():
     """Only TensorFlow outside a trace for XLA runs its ops one by one."""
     if BACKEND != "tensorflow":
