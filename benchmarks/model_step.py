@@ -10,7 +10,10 @@ is the median time per step over the rounds, with the range of the rounds, and t
 median process CPU time per step (all threads), which other load disturbs less. A round
 is timed from the call to ``fit`` to its ``on_train_end``: after that TensorFlow tears
 down the call's data iterator, which takes 2 ms or, at random, 120-300 ms with either
-model, a cost per ``fit`` call that an epoch of many steps does not pay per step.
+model, a cost per ``fit`` call that an epoch of many steps does not pay per step. After
+the warm-up every Python object is moved out of the garbage collector's reach
+(``gc.freeze``): a full collection scans both models' objects and would land in one
+round of either model at random.
 
 Beside each measured ratio stands the analytic FLOP ratio of the two models, the
 floor a step could reach: every token-wise product (projections, dynamic weights,
@@ -38,6 +41,7 @@ starts them in turn. Run it on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -157,6 +161,12 @@ def run_shape(shape, variants, repeats, steps, forward):
         if forward:
             _forward_seconds(m, x[:B])
             _forward_seconds(m, x[:B])
+    # Both models' objects (their traced graphs above all) to the permanent generation:
+    # a full collection of the process's objects, which would otherwise land in one round
+    # of either model at random (200-300 ms in a tensorflow 4 x 512 round), belongs to
+    # neither model's step.
+    gc.collect()
+    gc.freeze()
     step = {v: [] for v in variants}
     cpu = {v: [] for v in variants}
     fwd = {v: [] for v in variants}
