@@ -132,7 +132,7 @@ def dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate, eps):
     (``jit_compile=True``), no kernel. In a graph each op costs about 10 us to dispatch,
     and the plain form is some 20 ops; the op writes each slot's array in its final
     shape, so no reshape or unstack follows it. Its gradient (registered for the op) is
-    the plain form's."""
+    ``slot_dynamic_weights``'."""
     from ..tf_common import in_xla_context
     B, L = x.shape[0], x.shape[1]
     if (B is None or L is None or B * L > cpu_kernel.DYNAMIC_ROWS or in_xla_context()

@@ -23,8 +23,9 @@ Rules:
   records (the kernel's scores are not differentiable); pre and post stages with
   different ranks R (the kernel takes one R); on a GPU, kernels that ask for more
   shared memory per block than it gives (``dcmha_triton.over_shared_memory``: a program
-  holds all heads of a group, so at 16 or more heads per group and head dim 128 they do
-  not fit an H100), so that "auto" passes over Triton there (the "ops" core runs).
+  holds all heads of a group, so with 16 heads per group none fits an H100 at head dim
+  128, nor the backward ones at 64), so that "auto" passes over Triton there (the "ops"
+  core runs).
 * ``preferred(call)``: q is a CUDA tensor and Triton is installed (so
   ``implementation="auto"`` never imports Triton for CPU tensors).
 
