@@ -56,8 +56,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 ARCH = 90
 
 #: The shapes of ``--shapes``, besides the test cases: name -> [(case id, sizes, call
-#: arguments)], bfloat16, every compose term in both stages, the kernels'
-#: default tiles. "paper": d = 128, benchmarks/gpu_timings.py's (N = 16 heads in G = 2 groups, M = 8);
+#: arguments)], bfloat16, every compose term in both stages, the kernels' default tiles.
+#: "paper": d = 128, benchmarks/gpu_timings.py's (N = 16 heads in G = 2 groups, M = 8);
 #: "heads": d = 128 and the paper's heads per group, M = 16 and 32 (one group; N = M), causal;
 #: "d64": head dim 64 (the paper's 405M model: 16 heads of 64), M = 8 and 16, causal.
 SHAPES = {

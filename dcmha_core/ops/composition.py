@@ -302,9 +302,10 @@ def slot_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
         """w (D, G, C, n) as (D, C * G * n), columns ordered (C, G, n)."""
         return ops.reshape(ops.transpose(as_dtype(w, "float32"), (0, 2, 1, 3)), (D, C * G * n))
 
-    def rows(y, *dims):
-        """y (B, L, ...) as (B, L, *dims)."""
-        return ops.reshape(y, (*ops.shape(y)[:2], *dims))
+    def per_slot(y, G, n):
+        """y (B, L, C * G * n) -> C arrays (B, L, G, n)."""
+        return [ops.reshape(part, (*ops.shape(part)[:2], G, n))
+                for part in ops.split(y, C, axis=-1)]
 
     out = {}
     if dw1 is not None:
@@ -313,21 +314,20 @@ def slot_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
         h = ops.gelu(ops.matmul(x, slot_major(dw1, G, C, K)), approximate=gelu_approximate)
         qkw = as_dtype(qkw, "float32")
         w1s, w2s = [], []
-        for c, hc in enumerate(ops.split(h, C, axis=-1)):      # hc (B, L, G * K)
+        for c, hc in enumerate(per_slot(h, G, K)):        # hc (B, L, G, K)
             for half, dst in ((qkw[:, c, :, :rank], w1s), (qkw[:, c, :, rank:], w2s)):
                 # (G, K, R, M): one (K, R*M) product per group
                 flat = ops.reshape(half, (G, K, rank * M))
-                w = (ops.matmul(hc, flat[0]) if G == 1
-                     else ops.einsum("blgk,gkn->blgn", rows(hc, G, K), flat))
-                dst.append(rows(w, G, rank, M))
+                w = (ops.matmul(hc[:, :, 0], flat[0])[:, :, None] if G == 1
+                     else ops.einsum("blgk,gkn->blgn", hc, flat))
+                dst.append(ops.reshape(w, (*ops.shape(w)[:3], rank, M)))
         out["w1"] = [rms_normalize(w, W1_NORM_EPS) for w in w1s]
         out["w2"] = w2s
     if dd is not None:
         _, G, CM = dd.shape
         M = CM // C
         dd4 = ops.reshape(dd, (D, G, C, M))
-        out["dd"] = [rows(part, G, M) for part in
-                     ops.split(ops.tanh(ops.matmul(x, slot_major(dd4, G, C, M))), C, axis=-1)]
+        out["dd"] = per_slot(ops.tanh(ops.matmul(x, slot_major(dd4, G, C, M))), G, M)
     return out
 
 
