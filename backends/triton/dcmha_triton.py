@@ -124,9 +124,11 @@ _TERM_BITS = (("qw1", _QW), ("qw2", _QW), ("kw1", _KW), ("kw2", _KW), ("qdd", _Q
 
 
 def _terms(stage: Optional[Mapping]) -> int:
+    if not stage:
+        return 0
     bits = 0
     for name, bit in _TERM_BITS:
-        if stage and stage.get(name) is not None:
+        if stage.get(name) is not None:
             bits |= bit
     return bits
 

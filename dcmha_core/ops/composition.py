@@ -203,10 +203,11 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
             more than the arithmetic).
         weight_scale: the weights are dw1, qkw and dd times this
             (``DynamicWeightProjection``'s variables under ``composition_lr_scale``).
-            Compiled programs scale the products, which XLA fuses into the gelu, the
-            normalisation and the tanh that read them; scaling the weights would be a
-            pass over each weight per call (per decoding step). Ops run one by one and
-            the backends' own routes scale the weights (``framework.scaled_weight``).
+            The stacked form (``plain_dynamic_weights``: compiled programs, numpy)
+            scales the products, which XLA fuses into the gelu, the normalisation and the
+            tanh that read them; scaling the weights would be a pass over each weight per
+            call (per decoding step). The backends' own routes and the slot form (ops
+            run one by one) take the weights scaled (``framework.scaled_weight``).
 
     Returns:
         ``{slot: {"w1": (B, L, G, R, M), "w2": (B, L, G, R, M), "dd": (B, L, G, M)}}``;

@@ -314,8 +314,7 @@ def test_auto_takes_triton_for_cuda_tensors(monkeypatch):
     monkeypatch.setattr(kc, "_interpreting", lambda: False)
     # The fake call's kernels fit the GPU (the shared-memory rule itself:
     # tests/backends/test_triton_shared_memory.py).
-    too_large = []
-    monkeypatch.setattr(kc, "_shared_memory_problem", lambda call: (too_large or [None])[0])
+    monkeypatch.setattr(kc, "_shared_memory_problem", lambda call: None)
     call = _fake_call()
     if "tensorflow" in sys.modules and "triton" not in sys.modules:
         pytest.skip("TensorFlow is imported in this process: Triton must not be imported")
@@ -335,10 +334,11 @@ def test_auto_takes_triton_for_cuda_tensors(monkeypatch):
         ("torch", "'auto' takes it on cpu, not on gpu"), ("ops", None)]
     # Kernels over the GPU's shared memory: "auto" goes on down the order, and naming
     # Triton raises with the reason.
-    too_large.append("its kernels ask for more shared memory per block")
+    too_large = "its kernels ask for more shared memory per block"
+    monkeypatch.setattr(kc, "_shared_memory_problem", lambda call: too_large)
     call = _fake_call()
     assert registry.select("auto", call)[0] == "ops"
-    assert registry.explain(call)[0] == ("triton", too_large[0])
+    assert registry.explain(call)[0] == ("triton", too_large)
     with pytest.raises(ValueError, match="^`implementation='triton'` cannot run this call: "
                                          "its kernels ask for more shared memory per block$"):
         registry.select("triton", call)
