@@ -13,7 +13,7 @@ __all__ = ["readable_value", "to_layer_device", "arange_int32", "stack", "unstac
            "eager_slice_write", "cache_writer", "step_dynamic_weights", "fused_query",
            "fused_query_projection", "call_sublayer", "device", "building_graph", "compiles_ops",
            "LOOPED_CHUNKS", "decode_step", "step_index", "prepare_export", "DEMO_JIT_COMPILE",
-           "TORCH_MODULES", "SHARD_MAP", "whole_values", "scaled_weight"]
+           "TORCH_MODULES", "SHARD_MAP", "whole_values", "scaled_weight", "scaled_weights"]
 
 
 def provided_once(keras_backend, name):
@@ -72,10 +72,12 @@ def cache_writer(index, new_length, batch):
     return None
 
 
-def step_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
+def step_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate, weight_scale=1.0):
     """``dcmha.ops.plain_dynamic_weights``' arrays split into their C slots ({name: [C
     arrays (B, L, G, ...)]}) by the backend's own route (a compiled kernel for a decoding
-    step's few rows, eager framework ops), or None: then the plain ``keras.ops`` form."""
+    step's few rows, eager framework ops), or None: then the plain ``keras.ops`` form.
+    The weights are dw1, qkw and dd times ``weight_scale``; a route scales them
+    (``scaled_weights``) only once it knows it runs."""
     return None
 
 
@@ -100,6 +102,15 @@ def scaled_weight(variable, scale):
     backend may keep the product while the variable is unchanged."""
     from keras import ops
     return ops.multiply(variable, ops.cast(scale, variable.dtype))
+
+
+def scaled_weights(weights, scale):
+    """Each of ``weights`` (None stays None) times ``scale`` by the backend's
+    ``scaled_weight``; the weights themselves at a scale of 1."""
+    if scale == 1.0:
+        return list(weights)
+    from dcmha import framework
+    return [None if w is None else framework.scaled_weight(w, scale) for w in weights]
 
 
 def call_sublayer(layer, x, **kwargs):

@@ -9,7 +9,7 @@ import numpy as np
 from dcmha.framework._common import *  # noqa: F401,F403
 from dcmha.framework._common import __all__  # noqa: F401
 from dcmha.framework._common import _last_logits
-from dcmha.framework._common import provided_once
+from dcmha.framework._common import provided_once, scaled_weights
 from dcmha.framework._common import readable_value as _readable
 from dcmha.spec.reference import W1_NORM_EPS
 
@@ -47,15 +47,15 @@ def cache_writer(index, new_length, batch):
     return write
 
 
-def step_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
+def step_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate, weight_scale=1.0):
     """The provided "step_dynamic_weights" ("tf_cpu"'s kernel op) when it takes x (B, L,
     D) (sizes known, few rows, not in an XLA trace): it writes each slot's array, so a
-    graph has no reshape or unstack op after it."""
+    graph has no reshape or unstack op after it. It takes the weights scaled."""
     fast = provided_once("tensorflow", "step_dynamic_weights")
     if fast is None or None in tuple(x.shape):
         return None
-    return fast(x, dw1, qkw, dd, C=C, rank=rank, gelu_approximate=gelu_approximate,
-                eps=W1_NORM_EPS)
+    return fast(x, *scaled_weights((dw1, qkw, dd), weight_scale), C=C, rank=rank,
+                gelu_approximate=gelu_approximate, eps=W1_NORM_EPS)
 
 
 def device(x=None):

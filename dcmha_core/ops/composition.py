@@ -207,7 +207,8 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
             scales the products, which XLA fuses into the gelu, the normalisation and the
             tanh that read them; scaling the weights would be a pass over each weight per
             call (per decoding step). The backends' own routes and the slot form (ops
-            run one by one) take the weights scaled (``framework.scaled_weight``).
+            run one by one) take the weights scaled (``framework.scaled_weights``), made
+            only by the route that runs.
 
     Returns:
         ``{slot: {"w1": (B, L, G, R, M), "w2": (B, L, G, R, M), "dd": (B, L, G, M)}}``;
@@ -216,14 +217,13 @@ def dynamic_weights(x, dw1=None, qkw=None, dd=None, *, slots, rank, gelu_approxi
     if check:
         _check_dynamic_args(x, dw1, qkw, dd, slots, rank)
     weights = [w.value if isinstance(w, keras.Variable) else w for w in (dw1, qkw, dd)]
-    scaled = weights if weight_scale == 1.0 else [
-        None if w is None else framework.scaled_weight(w, weight_scale) for w in weights]
     C = len(slots)
-    split = framework.step_dynamic_weights(x, *scaled, C=C, rank=rank,
-                                           gelu_approximate=gelu_approximate)
+    split = framework.step_dynamic_weights(x, *weights, C=C, rank=rank,
+                                           gelu_approximate=gelu_approximate,
+                                           weight_scale=weight_scale)
     if split is None and not framework.compiles_ops():
-        split = slot_dynamic_weights(x, *scaled, C=C, rank=rank,
-                                     gelu_approximate=gelu_approximate)
+        split = slot_dynamic_weights(x, *framework.scaled_weights(weights, weight_scale),
+                                     C=C, rank=rank, gelu_approximate=gelu_approximate)
     if split is None:
         stacked = plain_dynamic_weights(x, *weights, C=C, rank=rank,
                                         gelu_approximate=gelu_approximate,
