@@ -63,6 +63,8 @@ VARIANTS = {
     "dcmha": dict(),
 }
 VOCAB = 256
+#: ``--jit-compile`` -> ``compile(jit_compile=...)``.
+JIT_COMPILE = {"auto": "auto", "true": True, "false": False}
 
 
 def build(shape, variant, seed=0):
@@ -79,13 +81,14 @@ def build(shape, variant, seed=0):
                       name=name, **options)
 
 
-def compiled(model, shape):
+def compiled(model, shape, jit_compile="auto"):
     import keras
 
     T, B = SHAPES[shape][3:]
     model.build((B, T))
     model.compile(optimizer=keras.optimizers.AdamW(learning_rate=1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=jit_compile)
     return model
 
 
@@ -147,14 +150,14 @@ def _forward_seconds(model, x):
     return time.perf_counter() - t0
 
 
-def run_shape(shape, variants, repeats, steps, forward):
+def run_shape(shape, variants, repeats, steps, forward, jit_compile="auto"):
     import numpy as np
 
     T, B = SHAPES[shape][3:]
     rng = np.random.default_rng(0)
     x = rng.integers(0, VOCAB, (steps * B, T), dtype="int32")
     y = rng.integers(0, VOCAB, (steps * B, T), dtype="int32")
-    models = {v: compiled(build(shape, v), shape) for v in variants}
+    models = {v: compiled(build(shape, v), shape, jit_compile) for v in variants}
     for m in models.values():                          # compile and warm up
         _fit_seconds(m, x, y, B)
         _fit_seconds(m, x, y, B)
@@ -197,10 +200,10 @@ def run_shape(shape, variants, repeats, steps, forward):
     return out
 
 
-def conditions():
+def conditions(jit_compile):
     import keras
 
-    return dict(backend=keras.backend.backend(), keras=keras.__version__,
+    return dict(backend=keras.backend.backend(), keras=keras.__version__, jit_compile=jit_compile,
                 load=os.getloadavg(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
 
 
@@ -208,10 +211,11 @@ def child(args):
     shapes = args.shapes.split(",")
     variants = (args.variants.split(",") if args.variants else
                 list(VARIANTS) if args.breakdown else ["mha", "dcmha"])
-    result = dict(conditions=conditions(), shapes={})
+    jit_compile = JIT_COMPILE[args.jit_compile]
+    result = dict(conditions=conditions(jit_compile), shapes={})
     for shape in shapes:
         result["shapes"][shape] = run_shape(shape, variants, args.repeats, args.steps,
-                                            args.breakdown)
+                                            args.breakdown, jit_compile)
         print(json.dumps({"shape": shape, **result["shapes"][shape]}), file=sys.stderr,
               flush=True)
     result["conditions"]["load_after"] = os.getloadavg()
@@ -256,6 +260,9 @@ def main(argv=None):
     p.add_argument("--variants", default=None,
                    help=f"comma-separated, from {list(VARIANTS)} (mha first), each optionally "
                         "with ':IMPLEMENTATION' (e.g. dcmha:ops) to force DCMHA's path")
+    p.add_argument("--jit-compile", default="auto", choices=list(JIT_COMPILE),
+                   help="compile()'s jit_compile (default: Keras's own, 'auto'); 'true' on "
+                        "tensorflow runs fit under XLA as Keras does with a GPU")
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
@@ -271,7 +278,8 @@ def main(argv=None):
         cmd = [sys.executable, __file__, "--shapes", args.shapes, "--repeats",
                str(args.repeats), "--steps", str(args.steps)] + \
             (["--breakdown"] if args.breakdown else []) + \
-            (["--variants", args.variants] if args.variants else [])
+            (["--variants", args.variants] if args.variants else []) + \
+            ["--jit-compile", args.jit_compile]
         env = dict(os.environ, KERAS_BACKEND=backend)
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
