@@ -18,8 +18,9 @@ script re-invokes itself with KERAS_BACKEND set; float32, CPU, batch 1):
   "layer1024" use the LM sizes' heads): one ``DCMHA`` layer's cached step (one
   token at position 96 of a 128-position cache, causal, RoPE), compiled as
   ``generate`` compiles it (``jax.jit`` of ``stateless_call`` with the cache donated, a
-  ``tf.function``, eager under ``torch.no_grad()``), against the same layer
-  with ``pre_compose=False, post_compose=False``, 50 alternating steps per repeat.
+  ``tf.function`` called through ``flat_calls``, eager under ``torch.no_grad()``), against
+  the same layer with ``pre_compose=False, post_compose=False``, 50 alternating steps per
+  repeat.
 
 Each repeat runs A (DCMHA) then B (composition off) in the same process, after
 warm-up; the medians and the spread (the quartiles of the ratios of the
@@ -181,6 +182,9 @@ def _layer_step(layer, D):
     elif backend == "tensorflow":
         import tensorflow as tf
 
+        from dcmha.framework.tensorflow import flat_calls
+
+        @flat_calls                           # as generate calls its step
         @tf.function(reduce_retracing=True, autograph=False)
         def step(x, cache, index):
             return layer(x, x, use_causal_mask=True, cache=cache, cache_update_index=index)

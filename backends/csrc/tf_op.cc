@@ -328,13 +328,15 @@ class DcmhaQueryMatrixOp : public OpKernel {
    dummies where has_projection / has_gating is 0 -> the lists w1, w2 (c arrays (..., G,
    rank, M)) and g (c arrays (..., G, M)), empty arrays (G = 0) where absent. The slots
    come out split, in x's leading shape: a graph then needs no reshape or unstack op
-   after this one (about 10 us each on a CPU). */
+   after this one (about 10 us each on a CPU). The weights are dw1, qkw and dd times
+   weight_scale, applied here to x's few rows and to qkw (x (s dw1) = (s x) dw1), so that
+   a graph needs no op that scales the weights either. */
 REGISTER_OP("DcmhaDynamicWeights")
     .Input("x: float").Input("dw1: float").Input("qkw: float").Input("dd: float")
     .Output("w1: c * float").Output("w2: c * float").Output("g: c * float")
     .Attr("c: int >= 1").Attr("gc: int").Attr("k: int").Attr("rank: int").Attr("m: int")
     .Attr("has_projection: int").Attr("has_gating: int").Attr("gelu_approximate: int")
-    .Attr("eps: float")
+    .Attr("eps: float").Attr("weight_scale: float = 1.0")
     .SetShapeFn([](shape_inference::InferenceContext *c) {
         int64_t n, gc, rank, m, proj, gating;
         TF_RETURN_IF_ERROR(c->GetAttr("c", &n));
@@ -366,6 +368,7 @@ class DcmhaDynamicWeightsOp : public OpKernel {
                                    {"has_gating", &gating_}, {"gelu_approximate", &approx_}})
             OP_REQUIRES_OK(c, c->GetAttr(name, field));
         OP_REQUIRES_OK(c, c->GetAttr("eps", &eps_));
+        OP_REQUIRES_OK(c, c->GetAttr("weight_scale", &scale_));
         OP_REQUIRES(c, c_ > 0 && gc_ % c_ == 0, errors::InvalidArgument(
                         "dcmha dynamic weights: gc must be a multiple of c, got gc=", gc_,
                         ", c=", c_));
@@ -392,8 +395,22 @@ class DcmhaDynamicWeightsOp : public OpKernel {
         OP_REQUIRES_OK(c, c->allocate_temp(DT_FLOAT, TensorShape({BL, gc_ * m_}), &stacked[2]));
         const float *in[3];
         for (int i = 0; i < 3; i++) in[i] = c->input(i + 1).flat<float>().data();
+        const float *xs = x.flat<float>().data();
+        Tensor scaled[2];     /* s x and s qkw, where weight_scale is not 1 */
+        if (scale_ != 1.0f) {
+            const Tensor *from[2] = {&x, &c->input(2)};
+            for (int i = 0; i < 2; i++) {
+                const int64_t n = from[i]->NumElements();
+                OP_REQUIRES_OK(c, c->allocate_temp(DT_FLOAT, TensorShape({n}), &scaled[i]));
+                const float *src = from[i]->flat<float>().data();
+                float *dst = scaled[i].flat<float>().data();
+                for (int64_t j = 0; j < n; j++) dst[j] = scale_ * src[j];
+            }
+            xs = scaled[0].flat<float>().data();
+            in[1] = scaled[1].flat<float>().data();
+        }
         OP_REQUIRES(c, dcmha_dynamic_weights(
-                           BL, D, gc_, k_, rank_, m_, x.flat<float>().data(),
+                           BL, D, gc_, k_, rank_, m_, xs,
                            proj_ ? in[0] : nullptr, in[1], gating_ ? in[2] : nullptr,
                            (int)approx_, eps_, stacked[0].flat<float>().data(),
                            stacked[1].flat<float>().data(),
@@ -426,7 +443,7 @@ class DcmhaDynamicWeightsOp : public OpKernel {
 
   private:
     int64_t c_, gc_, k_, rank_, m_, proj_, gating_, approx_;
-    float eps_;
+    float eps_, scale_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("DcmhaComposeForward").Device(DEVICE_CPU), DcmhaComposeForwardOp);

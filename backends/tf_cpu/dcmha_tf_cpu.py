@@ -82,8 +82,10 @@ def _dynamic_weights_grad(op, *upstream):
     present = (op.get_attr("has_projection"),) * 2 + (op.get_attr("has_gating"),)
     x, dw1, qkw, dd = op.inputs
     inputs = [x, dw1, qkw, dd]
+    scale = op.get_attr("weight_scale")
     with tf.GradientTape() as tape:
         tape.watch(inputs)
+        dw1, qkw, dd = (w if scale == 1.0 else w * scale for w in (dw1, qkw, dd))
         split = dops.slot_dynamic_weights(
             x, dw1 if present[0] else None, qkw if present[0] else None,
             dd if present[2] else None, C=C, rank=rank,
@@ -124,15 +126,16 @@ _PATH = cpu_blocks.KernelPath(_build, _primitives)
 #: load() -> bool, unavailable_reason() -> str or None, and
 #: dcmha_attention(q, k, v, **kwargs): ``cpu_blocks.attention`` with this kernel.
 load, unavailable_reason, dcmha_attention = _PATH.load, _PATH.unavailable_reason, _PATH.attention
-def dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate, eps):
+def dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate, eps, weight_scale=1.0):
     """``dcmha.ops``' dynamic weights for x (B, L, D) as one kernel op
     (``DcmhaDynamicWeights``), split into the C slots: {"w1", "w2": [C arrays (B, L, G,
     R, M)], "dd": [C arrays (B, L, G, M)]} (those present), or None where the op cannot
     run: B L unknown or above ``cpu_kernel.DYNAMIC_ROWS``, a trace for XLA
-    (``jit_compile=True``), no kernel. In a graph each op costs about 10 us to dispatch,
-    and the plain form is some 20 ops; the op writes each slot's array in its final
-    shape, so no reshape or unstack follows it. Its gradient (registered for the op) is
-    ``slot_dynamic_weights``'."""
+    (``jit_compile=True``), no kernel. The weights are dw1, qkw and dd times
+    ``weight_scale``, which the op applies itself. In a graph each op costs about 10 us
+    to dispatch, and the plain form is some 20 ops; the op writes each slot's array in
+    its final shape, so no reshape or unstack follows it, and scales no weight array.
+    Its gradient (registered for the op) is ``slot_dynamic_weights``'."""
     from ..tf_common import in_xla_context
     B, L = x.shape[0], x.shape[1]
     if (B is None or L is None or B * L > cpu_kernel.DYNAMIC_ROWS or in_xla_context()
@@ -145,7 +148,7 @@ def dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate, eps):
     outs = module.dcmha_dynamic_weights(
         tf.cast(x, tf.float32), *weights, c=C, gc=G * C, k=K, rank=rank, m=M,
         has_projection=int(dw1 is not None), has_gating=int(dd is not None),
-        gelu_approximate=int(gelu_approximate), eps=eps)
+        gelu_approximate=int(gelu_approximate), eps=eps, weight_scale=float(weight_scale))
     present = (dw1 is not None, dw1 is not None, dd is not None)
     return {n: list(a) for n, a, p in zip(_DYNAMIC_NAMES, outs, present) if p}
 

@@ -35,13 +35,17 @@ def eager_kernel(*arrays):
     return cpu_kernel.load()
 
 
-def dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate, eps):
+def dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate, eps, weight_scale=1.0):
     """``plain_dynamic_weights``' arrays {"w1", "w2": (B, L, G, C, R, M), "dd": (B, L, G,
-    C, M)} (those present) for x (B, L, D): the kernel's when it takes the call, else the
+    C, M)} (those present) for x (B, L, D) and the weights times ``weight_scale`` (their
+    products, kept while the weights are unchanged: ``dcmha.framework.scaled_weights``):
+    the kernel's when it takes the call, else the
     same arithmetic as two matmuls with x and, for qkw, a broadcast product when it is
     small (a decoding step) or a bmm (a small ``torch.bmm`` enters an OpenMP parallel
     region whatever its size: 80 us with ``OMP_WAIT_POLICY=PASSIVE``; the product's
     (B L, G C, K, 2 R M) temporary is only worth it while small)."""
+    from dcmha import framework
+    dw1, qkw, dd = framework.scaled_weights((dw1, qkw, dd), weight_scale)
     B, L, D = x.shape
     x2 = x.to(torch.float32).reshape(B * L, D)
     out = _kernel_dynamic_weights(x2, dw1, qkw, dd, C=C, rank=rank,

@@ -66,9 +66,10 @@ def __getattr__(name):
 #: The names a fast path may provide, with the contract of each (the seam's functions
 #: that read them say when they are taken).
 PROVIDED_NAMES = {
-    "step_dynamic_weights": "(x, dw1, qkw, dd, *, C, rank, gelu_approximate, eps) -> "
-                            "``plain_dynamic_weights``' arrays, stacked or split into C "
-                            "slots, or None where it does not run",
+    "step_dynamic_weights": "(x, dw1, qkw, dd, *, C, rank, gelu_approximate, eps, "
+                            "weight_scale=1.0) -> ``plain_dynamic_weights``' arrays of the "
+                            "weights times weight_scale, stacked or split into C slots, or "
+                            "None where it does not run",
     "fused_query_projection": "(x, kernel, bias, dw1, qkw, dd, *, C, rank, "
                               "gelu_approximate, eps) -> (the query projection, the "
                               "stacked dynamic weights), or None where it does not run",

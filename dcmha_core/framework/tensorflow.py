@@ -9,7 +9,7 @@ import numpy as np
 from dcmha.framework._common import *  # noqa: F401,F403
 from dcmha.framework._common import __all__  # noqa: F401
 from dcmha.framework._common import _last_logits
-from dcmha.framework._common import provided_once, scaled_weights
+from dcmha.framework._common import provided_once
 from dcmha.framework._common import readable_value as _readable
 from dcmha.spec.reference import W1_NORM_EPS
 
@@ -50,12 +50,13 @@ def cache_writer(index, new_length, batch):
 def step_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate, weight_scale=1.0):
     """The provided "step_dynamic_weights" ("tf_cpu"'s kernel op) when it takes x (B, L,
     D) (sizes known, few rows, not in an XLA trace): it writes each slot's array, so a
-    graph has no reshape or unstack op after it. It takes the weights scaled."""
+    graph has no reshape or unstack op after it, and it applies ``weight_scale`` itself
+    (a graph has no op that scales a weight: about 20 us a step and layer)."""
     fast = provided_once("tensorflow", "step_dynamic_weights")
     if fast is None or None in tuple(x.shape):
         return None
-    return fast(x, *scaled_weights((dw1, qkw, dd), weight_scale), C=C, rank=rank,
-                gelu_approximate=gelu_approximate, eps=W1_NORM_EPS)
+    return fast(x, dw1, qkw, dd, C=C, rank=rank, gelu_approximate=gelu_approximate,
+                eps=W1_NORM_EPS, weight_scale=weight_scale)
 
 
 def device(x=None):
@@ -107,10 +108,41 @@ def decode_step(model):
             return _last_logits(logits), cache
 
         model._tf_decode_step = tuple(
-            tf.function(tf_step, reduce_retracing=True, autograph=False) for _ in range(2))
+            flat_calls(tf.function(tf_step, reduce_retracing=True, autograph=False))
+            for _ in range(2))
     prefill, one = model._tf_decode_step
     return lambda tokens, cache, index: (one if tokens.shape[1] == 1 else prefill)(
         tokens, cache, index)
+
+
+def flat_calls(function):
+    """``function`` (a ``tf.function`` of tensors and nests of them) called through the
+    concrete function of each input signature, with the flat list of its tensors.
+
+    ``tf.function``'s own call binds the nested arguments and matches their trace types
+    every time, which costs more than running a decoding step's graph does for a cache
+    entry: a 4-layer ``DCFormerLM`` step (D 256) took 3.2 ms through it and 2.5 ms this
+    way, with or without DCMHA (benchmarks/RESULTS.md, "Cached decoding"). Arguments that
+    are not all tensors, and a TensorFlow whose concrete functions lack the flat call,
+    take ``function`` itself."""
+    import tensorflow as tf
+
+    concrete = {}
+
+    def call(*args):
+        flat = tf.nest.flatten(args)
+        if not all(isinstance(t, tf.Tensor) for t in flat):
+            return function(*args)
+        key = tuple((t.dtype, tuple(t.shape)) for t in flat)
+        fn = concrete.get(key)
+        if fn is None:
+            fn = concrete[key] = function.get_concrete_function(*args)
+        run = getattr(fn, "_call_flat", None)
+        if run is None:
+            return function(*args)
+        return run(flat, fn.captured_inputs)     # the structured outputs (TensorFlow >= 2.18)
+
+    return call
 
 
 #: XLA does not make the demo's small steps faster on CPU with TensorFlow, but costs

@@ -15,7 +15,7 @@ import torch
 from dcmha.framework._common import *  # noqa: F401,F403
 from dcmha.framework._common import __all__  # noqa: F401
 from dcmha.framework._common import _last_logits  # noqa: F401
-from dcmha.framework._common import provided_once, scaled_weights
+from dcmha.framework._common import provided_once
 from dcmha.framework._common import readable_value as _readable
 from dcmha.framework._common import stack as _stack
 from dcmha.framework._common import unstack as _unstack
@@ -84,15 +84,14 @@ def eager_slice_write(entry, index, update):
 
 def step_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate, weight_scale=1.0):
     """Eager PyTorch: the provided "step_dynamic_weights" (``torch_native``'s kernel for a
-    step's rows, which takes the weights scaled), split into the C slots."""
-    weights = (dw1, qkw, dd)
-    if not _eager(x, *(w for w in weights if w is not None)):
+    step's rows), split into the C slots."""
+    if not _eager(x, *(w for w in (dw1, qkw, dd) if w is not None)):
         return None
     native = provided_once("torch", "step_dynamic_weights")
     if native is None:
         return None
-    stacked = native(x, *scaled_weights(weights, weight_scale), C=C, rank=rank,
-                     gelu_approximate=gelu_approximate, eps=W1_NORM_EPS)
+    stacked = native(x, dw1, qkw, dd, C=C, rank=rank, gelu_approximate=gelu_approximate,
+                     eps=W1_NORM_EPS, weight_scale=weight_scale)
     return {n: a.unbind(3) for n, a in stacked.items()}
 
 

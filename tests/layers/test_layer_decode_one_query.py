@@ -388,11 +388,14 @@ def _dynamic_kernel_spy(monkeypatch):
 
 @pytest.mark.parametrize("parts", ["both", "projection", "gating"])
 @pytest.mark.parametrize("approximate", [True, False])
-def test_step_dynamic_weights_in_the_kernel(monkeypatch, parts, approximate):
+@pytest.mark.parametrize("scale", [1.0, 0.1])
+def test_step_dynamic_weights_in_the_kernel(monkeypatch, parts, approximate, scale):
     """A decoding step's dynamic weights (one row) come from the compiled kernel on eager
     torch and on tensorflow, at the spec's numbers, for both GELU forms, and differentiate
     as the plain form; more than ``cpu_kernel.DYNAMIC_ROWS`` rows (and, on torch, weights that record
-    gradients) take the framework's ops, at the same numbers."""
+    gradients) take the framework's ops, at the same numbers. Weights held divided by
+    ``weight_scale`` (``composition_lr_scale``, which the tensorflow op applies itself)
+    give the weights' numbers, and their gradients are the plain form's."""
     rows_limit, ran = _dynamic_kernel_spy(monkeypatch)
     rng = np.random.default_rng(7)
     D, G, K, R, M = 24, 2, 6, 2, 3
@@ -401,12 +404,14 @@ def test_step_dynamic_weights_in_the_kernel(monkeypatch, parts, approximate):
     f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)      # noqa: E731
     dw1, qkw = (f32(D, G, C, K), f32(G, C, K, 2 * R, M)) if parts != "gating" else (None, None)
     dd = f32(D, G, C * M) if parts != "projection" else None
+    held = [None if w is None else w / np.float32(scale) for w in (dw1, qkw, dd)]
     for rows in (1, rows_limit + 1):
         x = f32(1, rows, D)
         want = reference.dynamic_weights(x, dw1, qkw, dd, slots, R, approximate)
         ran.clear()
-        tensors = [None if w is None else ops.convert_to_tensor(w) for w in (x, dw1, qkw, dd)]
-        got = dops.dynamic_weights(*tensors, slots=slots, rank=R, gelu_approximate=approximate)
+        tensors = [None if w is None else ops.convert_to_tensor(w) for w in (x, *held)]
+        got = dops.dynamic_weights(*tensors, slots=slots, rank=R, gelu_approximate=approximate,
+                                   weight_scale=scale)
         assert len(ran) == (1 if rows == 1 else 0)
         assert sorted(got) == sorted(want)
         for s in slots:
@@ -420,7 +425,7 @@ def test_step_dynamic_weights_in_the_kernel(monkeypatch, parts, approximate):
     for kernel in (True, False):
         if not kernel:
             _no_step_kernel(monkeypatch)
-        grads[kernel] = _dynamic_grads(x, dw1, qkw, dd, slots, R, approximate, ups)
+        grads[kernel] = _dynamic_grads(x, *held, slots, R, approximate, ups, scale)
     assert len(ran) == (1 if BACKEND == "tensorflow" else 0)  # torch records them without it
     for a, b in zip(grads[True], grads[False]):
         assert_close(a, b)
@@ -441,15 +446,17 @@ def _seam_step_kernel(monkeypatch, fn):
     monkeypatch.setitem(framework._once, ("tensorflow", "step_dynamic_weights"), fn)
 
 
-def _dynamic_grads(x, dw1, qkw, dd, slots, R, approximate, ups):
-    """Gradients of sum(w * ups) over every dynamic weight, for x and the present weights."""
+def _dynamic_grads(x, dw1, qkw, dd, slots, R, approximate, ups, scale=1.0):
+    """Gradients of sum(w * ups) over every dynamic weight, for x and the present weights
+    (held divided by ``scale``)."""
     inputs = [w for w in (x, dw1, qkw, dd) if w is not None]
     if BACKEND == "torch":
         import torch
         ts = [torch.tensor(w, requires_grad=True) for w in inputs]
         it = iter(ts)
         args = [next(it) if w is not None else None for w in (x, dw1, qkw, dd)]
-        got = dops.dynamic_weights(*args, slots=slots, rank=R, gelu_approximate=approximate)
+        got = dops.dynamic_weights(*args, slots=slots, rank=R, gelu_approximate=approximate,
+                                   weight_scale=scale)
         sum(torch.sum(got[s][n] * torch.tensor(u)) for s, us in ups.items()
             for n, u in us.items()).backward()
         return [t.grad.numpy() for t in ts]
@@ -459,7 +466,8 @@ def _dynamic_grads(x, dw1, qkw, dd, slots, R, approximate, ups):
         tape.watch(ts)
         it = iter(ts)
         args = [next(it) if w is not None else None for w in (x, dw1, qkw, dd)]
-        got = dops.dynamic_weights(*args, slots=slots, rank=R, gelu_approximate=approximate)
+        got = dops.dynamic_weights(*args, slots=slots, rank=R, gelu_approximate=approximate,
+                                   weight_scale=scale)
         loss = tf.add_n([tf.reduce_sum(got[s][n] * u) for s, us in ups.items()
                          for n, u in us.items()])
     return [g.numpy() for g in tape.gradient(loss, ts)]

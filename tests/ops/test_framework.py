@@ -475,3 +475,43 @@ fn = framework._loaded.get(("torch", "prepare_onnx_export"))
 print(f"{fn.__module__}.{fn.__name__}")
 """
     assert _run_fresh(code) == "dcmha.backends.torch_native.onnx_symbolic.register_rms_norm"
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tensorflow's decoding step")
+def test_flat_calls_give_the_functions_outputs():
+    """``flat_calls`` runs a signature's concrete function on the flat tensors: the same
+    outputs as the ``tf.function``, one concrete function per input signature, and the
+    ``tf.function`` itself for arguments that are not all tensors."""
+    import tensorflow as tf
+
+    from dcmha.framework.tensorflow import flat_calls
+
+    traced = []
+
+    def body(x, cache, index):
+        traced.append(x.shape)
+        return x * 2.0, [{k: v + tf.cast(index, v.dtype) for k, v in c.items()}
+                         for c in cache]
+
+    function = tf.function(body, autograph=False)
+    fast = flat_calls(function)
+    rng = np.random.default_rng(0)
+    for shape in ((1, 3), (2, 3), (1, 3)):
+        x = tf.constant(rng.standard_normal(shape), tf.float32)
+        cache = [{"key": tf.constant(rng.standard_normal((2, 4)), tf.float32),
+                  "key_w": tf.constant(rng.standard_normal((2, 5)), tf.float32)},
+                 {"value": tf.constant(rng.standard_normal((3,)), tf.float32)}]
+        index = tf.constant(3, tf.int32)
+        want = body(x, cache, index)
+        got = fast(x, cache, index)
+        assert isinstance(got, tuple) and len(got) == 2
+        np.testing.assert_array_equal(got[0].numpy(), want[0].numpy())
+        assert [sorted(c) for c in got[1]] == [sorted(c) for c in want[1]]
+        for g, w in zip(got[1], want[1]):
+            for k in w:
+                np.testing.assert_array_equal(g[k].numpy(), w[k].numpy())
+    # Traced once per input signature (the direct calls above add one entry each).
+    assert traced.count(tf.TensorShape((1, 3))) == 1 + 2
+    assert traced.count(tf.TensorShape((2, 3))) == 1 + 1
+    np.testing.assert_array_equal(fast(np.ones((1, 3), np.float32), [], 1)[0].numpy(),
+                                  2 * np.ones((1, 3), np.float32))
