@@ -76,8 +76,8 @@ def step_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate, weight_s
     """``dcmha.ops.plain_dynamic_weights``' arrays split into their C slots ({name: [C
     arrays (B, L, G, ...)]}) by the backend's own route (a compiled kernel for a decoding
     step's few rows, eager framework ops), or None: then the plain ``keras.ops`` form.
-    The weights are dw1, qkw and dd times ``weight_scale``; a route scales them
-    (``scaled_weights``) only once it knows it runs."""
+    The weights are dw1, qkw and dd times ``weight_scale``, which a route applies only
+    once it knows it runs (``scaled_weights``, or its kernel's own scaling)."""
     return None
 
 

@@ -51,7 +51,7 @@ def step_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate, weight_s
     """The provided "step_dynamic_weights" ("tf_cpu"'s kernel op) when it takes x (B, L,
     D) (sizes known, few rows, not in an XLA trace): it writes each slot's array, so a
     graph has no reshape or unstack op after it, and it applies ``weight_scale`` itself
-    (a graph has no op that scales a weight: about 20 us a step and layer)."""
+    (the graph has no op that scales a weight)."""
     fast = provided_once("tensorflow", "step_dynamic_weights")
     if fast is None or None in tuple(x.shape):
         return None
