@@ -319,6 +319,8 @@ def slot_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
             for half, dst in ((qkw[:, c, :, :rank], w1s), (qkw[:, c, :, rank:], w2s)):
                 # (G, K, R, M): one (K, R*M) product per group
                 flat = ops.reshape(half, (G, K, rank * M))
+                # Not ops.shape of a (B, L, K) . (K, n) ops.matmul's product itself: Keras's
+                # tensorflow ONNX export (tf2onnx) gives it as (B L, n) when L is free.
                 w = (ops.matmul(hc[:, :, 0], flat[0])[:, :, None] if G == 1
                      else ops.einsum("blgk,gkn->blgn", hc, flat))
                 dst.append(ops.reshape(w, (*ops.shape(w)[:3], rank, M)))
