@@ -27,12 +27,13 @@ PROMPT, LENGTH, WARMUP = 64, 192, 20
 
 
 def _steps(attention, case):
-    """{"structured": call, "flat": call} of one model's one-token step, and its cache."""
+    """{"structured": call, "flat": call} of one model's one-token step (``generate``'s,
+    ``dcmha.framework.decode_step``, and the ``tf.function`` inside it), and a cache for
+    each after the prefill."""
     import keras
     import tensorflow as tf
 
-    from dcmha.framework._common import _last_logits
-    from dcmha.framework.tensorflow import flat_calls
+    from dcmha import framework
     from dcmha.models import DCFormerLM
 
     layers, width, heads = CASES[case]
@@ -40,18 +41,13 @@ def _steps(attention, case):
     lm = DCFormerLM(vocab_size=256, num_layers=layers, hidden_dim=width, num_heads=heads,
                     attention=attention)
     lm.build((1, None))
-
-    def step(tokens, cache, index):
-        logits, cache = lm.call_with_cache(tokens, cache, index)
-        return _last_logits(logits), cache
-
-    prefill = tf.function(step, autograph=False)        # its own trace: T = 64
-    one = tf.function(step, reduce_retracing=True, autograph=False)
+    step = framework.decode_step(lm)
     caches = {}
     for way in ("structured", "flat"):
-        _, caches[way] = prefill(tf.zeros((1, PROMPT), tf.int32), lm.init_cache(1, LENGTH),
-                                 tf.constant(0))
-    return {"structured": one, "flat": flat_calls(one)}, caches
+        _, caches[way] = step(tf.zeros((1, PROMPT), tf.int32), lm.init_cache(1, LENGTH),
+                              tf.constant(0))
+    _, flat = lm._tf_decode_step                        # (prefill, one token)
+    return {"structured": flat.__wrapped__, "flat": flat}, caches
 
 
 def main(argv=None) -> int:

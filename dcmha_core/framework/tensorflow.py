@@ -124,7 +124,7 @@ def flat_calls(function):
     entry: a 4-layer ``DCFormerLM`` step (D 256) took 3.2 ms through it and 2.5 ms this
     way, with or without DCMHA (benchmarks/RESULTS.md, "Cached decoding"). Arguments that
     are not all tensors, and a TensorFlow whose concrete functions lack the flat call,
-    take ``function`` itself."""
+    take ``function`` itself (the returned call's ``__wrapped__``)."""
     import tensorflow as tf
 
     concrete = {}
@@ -142,6 +142,7 @@ def flat_calls(function):
             return function(*args)
         return run(flat, fn.captured_inputs)     # the structured outputs (TensorFlow >= 2.18)
 
+    call.__wrapped__ = function
     return call
 
 

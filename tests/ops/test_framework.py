@@ -495,6 +495,7 @@ def test_flat_calls_give_the_functions_outputs():
 
     function = tf.function(body, autograph=False)
     fast = flat_calls(function)
+    assert fast.__wrapped__ is function
     rng = np.random.default_rng(0)
     for shape in ((1, 3), (2, 3), (1, 3)):
         x = tf.constant(rng.standard_normal(shape), tf.float32)
