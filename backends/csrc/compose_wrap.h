@@ -147,9 +147,10 @@ static void dcmha_fill(Args &a, const int64_t *d, int64_t R, const float *x, con
 
 /* One compose stage of dcmha_decode_probs: its ranks and its 7 terms (qw1, qw2, qdd, static,
    kw1, kw2, kdd), NULL where the stage's flags (DCMHA_HAS_QW / QDD / STATIC / KW / KDD) say
-   the term is absent (the wrapper passes a dummy there). */
+   the term is absent (the wrapper passes a dummy there); kw_row / kd_row: how many floats
+   apart the key positions of kw1 / kw2 and of kdd lie (0: contiguous). */
 struct DcmhaStage {
-    int64_t rq = 1, rk = 1;
+    int64_t rq = 1, rk = 1, kw_row = 0, kd_row = 0;
     const float *t[7] = {nullptr};
 };
 
@@ -172,9 +173,9 @@ static int dcmha_probs(const int64_t *x_dims, const float *x, float *p, const ui
     return dcmha_decode_probs(d[0], d[1], d[2], d[3], x, p, mask, mask ? mask_dims[0] : 1,
                               mask ? mask_dims[1] : 1, mask ? mask_dims[2] : 1, masked,
                               pre.rq, pre.rk, pre.t[0], pre.t[1], pre.t[2], pre.t[3],
-                              pre.t[4], pre.t[5], pre.t[6], 0, 0, post.rq, post.rk,
-                              post.t[0], post.t[1], post.t[2], post.t[3], post.t[4],
-                              post.t[5], post.t[6], 0, 0);
+                              pre.t[4], pre.t[5], pre.t[6], pre.kw_row, pre.kd_row, post.rq,
+                              post.rk, post.t[0], post.t[1], post.t[2], post.t[3], post.t[4],
+                              post.t[5], post.t[6], post.kw_row, post.kd_row);
 }
 
 /* The term gradients d[0..3] = dwq, dkw1, dkw2, dkdd (each counted in n): zeroed (the kernel

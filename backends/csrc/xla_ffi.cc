@@ -219,12 +219,17 @@ static ffi::Error BlockProbsBackward(ffi::ThreadPool pool, F32 x, F32 p, F32 g, 
 
 /* One stage's DcmhaStage: its query-side terms read in turn from q (which moves past them;
    for x (B, G, M, S): qw1, qw2 B G rq M floats each, qdd B G M, static G M M, those present
-   by flags), its key-side terms kw1, kw2 (B, S, G, R, M) and kdd (B, S, G, M). */
-static DcmhaStage stage(const float *&q, const int64_t *d, int64_t rq, F32 kw1, F32 kw2,
-                        F32 kdd, int64_t flags) {
+   by flags); its key-side terms read from the stacked arrays kw (B, S, nw, G, R, M) and kd
+   (B, S, nd, G, M) at slots iw (kw1; kw2 at iw + 1) and id, which move past them. */
+static DcmhaStage stage(const float *&q, const int64_t *d, int64_t rq, F32 kw, F32 kd,
+                        int64_t &iw, int64_t &id, int64_t flags) {
     const int64_t B = d[0], G = d[1], M = d[2];
-    const float *data[7] = {nullptr, nullptr, nullptr, nullptr, kw1.typed_data(),
-                            kw2.typed_data(), kdd.typed_data()};
+    const auto &wd = kw.dimensions(), &dd = kd.dimensions();
+    const int64_t rk = wd.size() == 6 ? wd[4] : 1;
+    const int64_t w_slot = G * rk * M, d_slot = G * M;
+    const float *data[7] = {nullptr, nullptr, nullptr, nullptr,
+                            kw.typed_data() + iw * w_slot, kw.typed_data() + (iw + 1) * w_slot,
+                            kd.typed_data() + id * d_slot};
     const int64_t bits[4] = {DCMHA_HAS_QW, DCMHA_HAS_QW, DCMHA_HAS_QDD, DCMHA_HAS_STATIC};
     const int64_t sizes[4] = {B * G * rq * M, B * G * rq * M, B * G * M, G * M * M};
     for (int i = 0; i < 4; i++)
@@ -232,26 +237,32 @@ static DcmhaStage stage(const float *&q, const int64_t *d, int64_t rq, F32 kw1, 
             data[i] = q;
             q += sizes[i];
         }
-    const int64_t rk = kw1.dimensions().size() == 5 ? kw1.dimensions()[3] : 1;
-    return dcmha_stage(data, rq, rk, flags);
+    DcmhaStage s = dcmha_stage(data, rq, rk, flags);
+    if (flags & DCMHA_HAS_KW) {
+        s.kw_row = wd[2] * w_slot;
+        iw += 2;
+    }
+    if (flags & DCMHA_HAS_KDD) {
+        s.kd_row = dd[2] * d_slot;
+        id += 1;
+    }
+    return s;
 }
 
 /* Why Probs' arrays do not fit x (B, G, M, S) (nullptr: they do): p as x; the query-side
-   terms' floats at least what the stages' flags and ranks read; kw1, kw2 (B, S, G, R, M)
-   and kdd (B, S, G, M) where present; a mask (mask_b in {1, B}, mask_n in {1, G M},
-   mask_s in {1, S}) when has_mask. */
-static const char *probs_problem(F32 x, ffi::Buffer<ffi::PRED> mask, F32 query,
-                                 F32 pre_kw1, F32 pre_kw2, F32 pre_kdd, F32 post_kw1,
-                                 F32 post_kw2, F32 post_kdd, size_t n_p, int64_t pre_flags,
-                                 int64_t post_flags, int64_t pre_rank, int64_t post_rank,
-                                 int64_t has_mask) {
+   terms' floats at least what the stages' flags and ranks read; kw (B, S, nw, G, R, M)
+   holding kw1 and kw2 of each stage with them (nw = 2 per such stage) and kd (B, S, nd, G,
+   M) holding kdd of each stage with it, where any; a mask (mask_b in {1, B}, mask_n in
+   {1, G M}, mask_s in {1, S}) when has_mask. */
+static const char *probs_problem(F32 x, ffi::Buffer<ffi::PRED> mask, F32 query, F32 kw,
+                                 F32 kd, size_t n_p, int64_t pre_flags, int64_t post_flags,
+                                 int64_t pre_rank, int64_t post_rank, int64_t has_mask) {
     if (x.dimensions().size() != 4 || n_p != x.element_count())
         return "dcmha decode probabilities: x and p must be (B, G, M, S)";
     const int64_t *d = x.dimensions().begin();
     const int64_t B = d[0], G = d[1], M = d[2], S = d[3];
-    int64_t need = 0;
+    int64_t need = 0, nw = 0, nd = 0;
     const int64_t flags[2] = {pre_flags, post_flags}, ranks[2] = {pre_rank, post_rank};
-    const F32 *kw[2][3] = {{&pre_kw1, &pre_kw2, &pre_kdd}, {&post_kw1, &post_kw2, &post_kdd}};
     for (int i = 0; i < 2; i++) {
         const int64_t f = flags[i], rq = ranks[i];
         int64_t n = 0;
@@ -260,16 +271,18 @@ static const char *probs_problem(F32 x, ffi::Buffer<ffi::PRED> mask, F32 query,
             return "dcmha decode probabilities: a query rank must be in [1, 2**31]";
         need += n + ((f & DCMHA_HAS_QDD) ? B * G * M : 0) +
                 ((f & DCMHA_HAS_STATIC) ? G * M * M : 0);
-        if (f & DCMHA_HAS_KW) {
-            const auto &dims = kw[i][0]->dimensions();
-            const int64_t rk = dims.size() == 5 ? dims[3] : 0;
-            if (rk < 1 || !dcmha_count_is(kw[i][0]->element_count(), {B, S, G, rk, M}) ||
-                kw[i][1]->element_count() != kw[i][0]->element_count())
-                return "dcmha decode probabilities: kw1 and kw2 must be (B, S, G, R, M)";
-        }
-        if ((f & DCMHA_HAS_KDD) && !dcmha_count_is(kw[i][2]->element_count(), {B, S, G, M}))
-            return "dcmha decode probabilities: kdd must be (B, S, G, M)";
+        nw += (f & DCMHA_HAS_KW) ? 2 : 0;
+        nd += (f & DCMHA_HAS_KDD) ? 1 : 0;
     }
+    if (nw) {
+        const auto &wd = kw.dimensions();
+        const int64_t rk = wd.size() == 6 ? wd[4] : 0;
+        if (rk < 1 || wd[2] != nw || !dcmha_count_is(kw.element_count(), {B, S, nw, G, rk, M}))
+            return "dcmha decode probabilities: kw must be (B, S, 2 per stage with kw1, G, R, M)";
+    }
+    if (nd && (kd.dimensions().size() != 5 || kd.dimensions()[2] != nd ||
+               !dcmha_count_is(kd.element_count(), {B, S, nd, G, M})))
+        return "dcmha decode probabilities: kd must be (B, S, 1 per stage with kdd, G, M)";
     if ((int64_t)query.element_count() < need)
         return "dcmha decode probabilities: the query-side terms are shorter than the stages "
                "read";
@@ -284,21 +297,22 @@ static const char *probs_problem(F32 x, ffi::Buffer<ffi::PRED> mask, F32 query,
 
 /* x (B, G, M, S); mask (mask_b, mask_n, mask_s) bool (a 1-element dummy when has_mask is 0);
    query: the query-side terms of the pre stage, then of the post stage, flat (qw1, qw2, qdd,
-   static, each where its stage's flags have it; T = 1); then kw1, kw2, kdd of the pre stage
-   and of the post stage in the decode cache's layout (1-element dummies where absent):
-   dcmha_decode_probs. */
-static ffi::Error Probs(F32 x, ffi::Buffer<ffi::PRED> mask, F32 query, F32 pre_kw1,
-                        F32 pre_kw2, F32 pre_kdd, F32 post_kw1, F32 post_kw2, F32 post_kdd,
-                        Out p, int64_t pre_flags, int64_t post_flags, int64_t pre_rank,
+   static, each where its stage's flags have it; T = 1); kw: kw1 and kw2 of the pre stage,
+   then of the post stage, those present, stacked in the decode cache's layout (B, S, nw, G,
+   R, M); kd: kdd likewise (B, S, nd, G, M) (1-element dummies where absent). A stacked
+   array is the cache's own entry when the stages' terms fill it in this order, so no
+   term is copied out of it: dcmha_decode_probs. */
+static ffi::Error Probs(F32 x, ffi::Buffer<ffi::PRED> mask, F32 query, F32 kw, F32 kd, Out p,
+                        int64_t pre_flags, int64_t post_flags, int64_t pre_rank,
                         int64_t post_rank, int64_t has_mask, float masked) {
-    if (const char *why = probs_problem(x, mask, query, pre_kw1, pre_kw2, pre_kdd, post_kw1,
-                                        post_kw2, post_kdd, p->element_count(), pre_flags,
+    if (const char *why = probs_problem(x, mask, query, kw, kd, p->element_count(), pre_flags,
                                         post_flags, pre_rank, post_rank, has_mask))
         return ffi::Error::InvalidArgument(why);
     const int64_t *d = x.dimensions().begin();
     const float *q = query.typed_data();
-    const DcmhaStage pre = stage(q, d, pre_rank, pre_kw1, pre_kw2, pre_kdd, pre_flags);
-    const DcmhaStage post = stage(q, d, post_rank, post_kw1, post_kw2, post_kdd, post_flags);
+    int64_t iw = 0, id = 0;
+    const DcmhaStage pre = stage(q, d, pre_rank, kw, kd, iw, id, pre_flags);
+    const DcmhaStage post = stage(q, d, post_rank, kw, kd, iw, id, post_flags);
     if (dcmha_probs(d, x.typed_data(), p->typed_data(),
                     has_mask ? reinterpret_cast<const uint8_t *>(mask.typed_data()) : nullptr,
                     mask.dimensions().begin(), masked, pre, post))
@@ -309,8 +323,7 @@ static ffi::Error Probs(F32 x, ffi::Buffer<ffi::PRED> mask, F32 query, F32 pre_k
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DcmhaDecodeProbs, Probs,
                               ffi::Ffi::Bind()
                                   .Arg<F32>().Arg<ffi::Buffer<ffi::PRED>>().Arg<F32>()
-                                  .Arg<F32>().Arg<F32>().Arg<F32>()
-                                  .Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Arg<F32>().Arg<F32>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("pre_flags").Attr<int64_t>("post_flags")
                                   .Attr<int64_t>("pre_rank").Attr<int64_t>("post_rank")

@@ -33,7 +33,7 @@ _PROBS = "dcmha_decode_probs"
 _BLOCK_FORWARD, _BLOCK_BACKWARD = "dcmha_block_probs_forward", "dcmha_block_probs_backward"
 _QUERY, _QUERY_BACKWARD = "dcmha_query_matrix", "dcmha_query_matrix_backward"
 _DUMMY = np.zeros((1,), np.float32)
-_QUERY_TERMS, _KEY_TERMS = cpu_blocks.QUERY_TERMS, ("kw1", "kw2", "kdd")
+_QUERY_TERMS = cpu_blocks.QUERY_TERMS
 
 
 def _recipe():
@@ -163,10 +163,20 @@ def _probs(x, pre, post, vis, pre_flags, post_flags):
 
 
 
+def _stacked(stages, names):
+    """The stages' key-side terms ``names``, those present, stacked on a new axis 2 in the
+    decode cache's order (the pre stage's, then the post stage's); a dummy when none. Where
+    the terms are the slices of one cache entry in this order (``spec.terms.KEY_CACHE``),
+    XLA folds the stack back into the entry, so the kernel reads the cache in place."""
+    parts = [st[n].astype(jnp.float32) for st in stages for n in names if n in st]
+    return jnp.stack(parts, 2) if parts else _DUMMY
+
+
 def _probs_ffi(x, mask, pre, post, M):
     """``dcmha.ops.one_query_probs`` by the kernel (``DcmhaDecodeProbs``): the query-side
     terms of both stages packed into one array (one XLA fusion writes it, where one operand
-    per term would cost one copy each), the key-side terms as the cache holds them."""
+    per term would cost one copy each), the key-side terms stacked as the cache holds them
+    (``_stacked``)."""
     B, G, _, S = x.shape
     if mask is None:
         m = np.zeros((1, 1, 1), bool)
@@ -176,12 +186,11 @@ def _probs_ffi(x, mask, pre, post, M):
     stages = (pre or {}, post or {})
     query = [jnp.ravel(st[n]).astype(jnp.float32) for st in stages for n in _QUERY_TERMS
              if n in st]
-    keys = [st[n].astype(jnp.float32) if n in st else _DUMMY for st in stages
-            for n in _KEY_TERMS]
     rank = [st["qw1"].shape[3] if "qw1" in st else 1 for st in stages]
     return jax.ffi.ffi_call(_PROBS, jax.ShapeDtypeStruct((B, G, M, S), jnp.float32),
                             vmap_method="sequential")(
-        x, m, jnp.concatenate(query) if query else _DUMMY, *keys,
+        x, m, jnp.concatenate(query) if query else _DUMMY, _stacked(stages, ("kw1", "kw2")),
+        _stacked(stages, ("kdd",)),
         pre_flags=np.int64(cpu_kernel.cached_flags(stages[0])),
         post_flags=np.int64(cpu_kernel.cached_flags(stages[1])), pre_rank=np.int64(rank[0]),
         post_rank=np.int64(rank[1]), has_mask=np.int64(mask is not None),
@@ -214,9 +223,11 @@ def decode_probs(x, mask, pre, post, M):
     """``dcmha.ops.one_query_probs`` (one query's composes and masked softmax: scores x (B,
     G, M, S) -> probabilities, float32; the key-side terms in the cache's (B, S, G, ...)
     layout) as one call of the compiled kernel when a stage is present, every term is one
-    of ``dcmha.ops.LOW_RANK_TERMS`` and the kernel is built; otherwise the plain form. Its
-    gradient is the plain form's."""
-    if not dops.kernel_stages(pre, post) or not load():
+    of ``dcmha.ops.LOW_RANK_TERMS``, the stages' kw1 share a shape (one rank, as a layer's
+    cache holds them) and the kernel is built; otherwise the plain form. Its gradient is the
+    plain form's."""
+    if (not dops.kernel_stages(pre, post) or not load()
+            or len({st["kw1"].shape for st in (pre or {}, post or {}) if "kw1" in st}) > 1):
         return dops.one_query_probs(x, mask, pre, post, M)
     return _decode_probs(x, mask, dict(pre or {}), dict(post or {}), M)
 

@@ -7,8 +7,9 @@ program for about 2-3 us, and the two composes were a few dozen of them, plus co
 of the cached key-side weights into the layout its einsums read. This implementation
 runs that same path with the pre compose, the mask, the softmax and the post compose
 (``dcmha.ops.one_query_probs``) as one XLA FFI custom call of the compiled C kernel
-(``dcmha_jax_cpu.decode_probs``), which reads the key-side weights in the cache's
-(B, S, G, R, M) layout; the scores and P.V stay XLA dots. Same arithmetic, same
+(``dcmha_jax_cpu.decode_probs``), which reads the key-side weights in place from the
+cache's stacked entries (``spec.terms.KEY_CACHE``: no slice of them is copied out); the
+scores and P.V stay XLA dots. Same arithmetic, same
 masking rules: masked probabilities are exactly 0, and a query that sees no key
 outputs 0. Its gradient is the plain form's.
 

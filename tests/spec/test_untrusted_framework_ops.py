@@ -69,15 +69,18 @@ report("out_short", lambda: jax.block_until_ready(jax.ffi.ffi_call(
     "probe_forward", jax.ShapeDtypeStruct((2,), jnp.float32))(
         z((1, 2, 2, 3, 4)), z((24,)), z((1,)), z((1,)), z((1,)), flags=np.int64(1))))
 # DecodeProbs: x (B, G, M, S) = (1, 2, 2, 5); the pre stage's qw1, qw2 (rank 3) need 24 floats
-def probs(query, kw, mask, pre_flags, has_mask=0):
-    d = z((1,))
+# kw stacks kw1, kw2 of each stage with them (B, S, 2 per stage, G, R, M); kd (B, S, n, G, M)
+def probs(query, kw, mask, pre_flags, has_mask=0, kd=(1,), post_flags=0):
     out = jax.ShapeDtypeStruct((1, 2, 2, 5), jnp.float32)
     return jax.block_until_ready(jax.ffi.ffi_call("probe_probs", out)(
-        z((1, 2, 2, 5)), jnp.ones(mask, bool), z(query), z(kw), z(kw), d, d, d, d,
-        pre_flags=np.int64(pre_flags), post_flags=np.int64(0), pre_rank=np.int64(3),
+        z((1, 2, 2, 5)), jnp.ones(mask, bool), z(query), z(kw), z(kd),
+        pre_flags=np.int64(pre_flags), post_flags=np.int64(post_flags), pre_rank=np.int64(3),
         post_rank=np.int64(1), has_mask=np.int64(has_mask), masked=np.float32(-1e30)))
 report("probs_query_short", lambda: probs((10,), (1,), (1,), 8))
-report("probs_kw_short", lambda: probs((1,), (1, 5, 2, 1, 1), (1,), 2))
+report("probs_kw_short", lambda: probs((1,), (1, 5, 2, 2, 1, 1), (1,), 2))
+# room for one stage's kw1 and kw2 where both stages have them
+report("probs_kw_one_stage", lambda: probs((1,), (1, 5, 2, 2, 1, 2), (1,), 2, post_flags=2))
+report("probs_kd_short", lambda: probs((1,), (1,), (1,), 4, kd=(1, 5, 1, 2, 1)))
 report("probs_mask_shape", lambda: probs((1,), (1,), (1, 7, 5), 0, has_mask=1))
 # BlockProbs: x (B, G, M, t, s) = (1, 2, 2, 3, 4); the pre stage's wq is 24 floats
 X = (1, 2, 2, 3, 4)
@@ -118,7 +121,9 @@ report("query_grad_short", lambda: jax.block_until_ready(jax.ffi.ffi_call(
 
 JAX_EXTRA = {"out_short": "the result and g must have x's shape",
              "probs_query_short": "query-side terms are shorter",
-             "probs_kw_short": "kw1 and kw2 must be (B, S, G, R, M)",
+             "probs_kw_short": "kw must be (B, S, 2 per stage with kw1, G, R, M)",
+             "probs_kw_one_stage": "kw must be (B, S, 2 per stage with kw1, G, R, M)",
+             "probs_kd_short": "kd must be (B, S, 1 per stage with kdd, G, M)",
              "probs_mask_shape": "mask must be (B|1, N|1, S|1)",
              "block_no_stage": "at least one stage must have a term",
              "block_pre_wq_short": "wq must be (B, t, G, M, M)",
