@@ -293,6 +293,44 @@ def test_jax_decode_probs_and_gradient_are_the_plain_forms(reference_case, mask_
         np.testing.assert_array_equal(np_(pre_only)[0][~seen], 0.0)
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="the jax_decode kernel (jax.ffi)")
+@pytest.mark.parametrize("stages_with_keys", [("pre", "post"), ("post",)])
+def test_jax_kernel_reads_the_stacked_cache_entries_in_place(reference_case, stages_with_keys):
+    """Compiled, the kernel's call takes the cache's stacked key-side entries themselves:
+    the terms unpacked from them are stacked back in the cache's order, which XLA folds
+    into the entry, so the program slices nothing; the probabilities are the plain form's,
+    with one stage or both holding key-side terms."""
+    kernel = _jax_kernel()
+    import jax
+    import jax.numpy as jnp
+
+    from dcmha.spec import terms as spec_terms
+    kwargs = dict(num_heads=4, key_dim=8, num_groups=2, static_compose=True)
+    *_, terms, _ = _core_case(reference_case, kwargs, 4, 7)
+    slots = [f"{st}_key" for st in stages_with_keys]
+    kdyn = {f"{st}_key": {n[1:]: jnp.asarray(w) for n, w in terms[st].items()
+                          if n.startswith("k")} for st in stages_with_keys}
+    entries = spec_terms.pack_key_weights(kdyn, slots, stack=jnp.stack)
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(2, 2, 2, 7)) * 3, jnp.float32)
+
+    def stages(entries):
+        views = spec_terms.unpack_key_weights(
+            entries, slots, unstack=lambda a, ax, n: [jnp.take(a, i, ax) for i in range(n)])
+        return {st: {n: (views[f"{st}_key"][n[1:]] if n.startswith("k") else jnp.asarray(w))
+                     for n, w in tm.items() if st in stages_with_keys or not n.startswith("k")}
+                for st, tm in terms.items()}
+
+    def probs(entries):
+        st = stages(entries)
+        return kernel.decode_probs(x, None, st["pre"], st["post"], 2)
+    compiled = jax.jit(probs).lower(entries).compile()
+    hlo = compiled.as_text()
+    assert "custom-call" in hlo
+    assert not [line for line in hlo.splitlines() if " slice(" in line or "gather(" in line]
+    st = stages(entries)
+    assert_close(compiled(entries), dops.one_query_probs(x, None, st["pre"], st["post"], 2))
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="the torch_decode kernel call (ctypes)")
 @pytest.mark.parametrize("B", [1, 2])
 def test_torch_kernel_reads_the_stacked_cache_entries_in_place(reference_case, B):
