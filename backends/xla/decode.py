@@ -47,6 +47,56 @@ def _one_query_probs(x, mask, pre, post, M):
     return dops.one_query_probs(x, mask, pre, post, M, compose=_products_compose)
 
 
+#: The key-side terms that a decoding cache stacks (``spec.terms.KEY_CACHE``), each group
+#: in its entry's order: kw1 and kw2 of the pre stage then the post stage; kdd likewise.
+_STACKED = (("kw1", "kw2"), ("kdd",))
+
+
+def _unstacked_source(tensors):
+    """The tensor that one ``Unpack`` op of the graph split into exactly ``tensors``, in
+    order (a decoding cache's stacked entry, ``spec.terms.unpack_key_weights``), or None."""
+    op = getattr(tensors[0], "op", None)
+    if op is None or op.type != "Unpack" or len(op.outputs) != len(tensors):
+        return None
+    if any(t is not o for t, o in zip(tensors, op.outputs)) or op.get_attr("axis") != 2:
+        return None
+    return op.inputs[0]
+
+
+def _stacked_entries(pre, post):
+    """(pre, post, entries): each group of ``_STACKED`` whose terms the graph unstacked
+    from one cache entry goes to the compiled step as that entry (its slices are taken
+    inside XLA, where they fuse into the composes), and its terms leave the stages.
+    Otherwise the ``Unpack`` op stays in the caller's graph, one op per entry and step."""
+    stages, entries = (dict(pre), dict(post)), []
+    for names in _STACKED:
+        terms = [st[n] for st in stages for n in names if n in st]
+        source = _unstacked_source(terms) if terms else None
+        if source is None:
+            entries.append(None)
+            continue
+        entries.append(source)
+        for st in stages:
+            for n in names:
+                st.pop(n, None)
+    return stages[0], stages[1], tuple(entries)
+
+
+def _restored(pre, post, entries, stacked):
+    """The stages with the terms of each stacked entry back (``_stacked_entries`` undone
+    inside the compiled step); ``stacked``: for each group, the stages that had it."""
+    import tensorflow as tf
+    stages = (dict(pre), dict(post))
+    for names, entry, which in zip(_STACKED, entries, stacked):
+        if entry is None:
+            continue
+        parts = iter(tf.unstack(entry, axis=2))
+        for i in which:
+            for n in names:
+                stages[i][n] = next(parts)
+    return stages
+
+
 def _compiled_step():
     if not _STEP:
         import tensorflow as tf
@@ -54,7 +104,9 @@ def _compiled_step():
         from dcmha.call import describe
         from dcmha import ops as dops
 
-        def step(q, k, v, pre, post, mask, offset, num_groups, causal, window):
+        def step(q, k, v, pre, post, mask, offset, num_groups, causal, window, entries,
+                 stacked):
+            pre, post = _restored(pre, post, entries, stacked)
             call = describe(
                 q, k, v, num_groups=num_groups, pre=pre or None, post=post or None,
                 attention_mask=mask, use_causal_mask=causal, sliding_window=window,
@@ -79,6 +131,10 @@ def _one_query(call):
     import tensorflow as tf
     # The offset as a tensor: a new Python int must not compile a new program.
     offset = tf.cast(call.query_offset, tf.int32)
-    return _compiled_step()(call.q, call.k, call.v, dict(call.pre or {}),
-                            dict(call.post or {}), call.attention_mask, offset,
-                            call.num_groups, bool(call.use_causal_mask), call.sliding_window)
+    pre, post = dict(call.pre or {}), dict(call.post or {})
+    stacked = tuple(tuple(i for i, st in enumerate((pre, post)) if names[0] in st)
+                    for names in _STACKED)
+    pre, post, entries = _stacked_entries(pre, post)
+    return _compiled_step()(call.q, call.k, call.v, pre, post, call.attention_mask, offset,
+                            call.num_groups, bool(call.use_causal_mask), call.sliding_window,
+                            entries, stacked)

@@ -203,6 +203,44 @@ def test_traced_layer_step_matches_reference(reference_case, one_query_calls):
     assert len(one_query_calls) == 1
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf_decode's compiled step")
+@pytest.mark.parametrize("name, stacked", [("dcmha", [True, True]),
+                                           ("mqa_pre_only", [True, True]),
+                                           ("key_wise_only_rank1", [True, True]),
+                                           ("query_wise_only_gating", [False, False])])
+def test_tf_step_takes_the_stacked_cache_entries(reference_case, monkeypatch, name, stacked):
+    """In a traced step, "tf_decode" gives its compiled core the cache's stacked key-side
+    entries (``spec.terms.KEY_CACHE``) that the layer unstacked, and slices them there; the
+    step's output and cache are the spec's."""
+    from dcmha.backends.xla import decode
+    seen = []
+    inner = decode._stacked_entries
+
+    def spy(pre, post):
+        out = inner(pre, post)
+        seen.append([e is not None for e in out[2]])
+        return out
+    monkeypatch.setattr(decode, "_stacked_entries", spy)
+    import tensorflow as tf
+    kwargs = dict(CONFIGS[name], rope_max_wavelength=100.0)
+    case = reference_case(kwargs, T=5)
+    cfg, x = case["cfg"], case["query"]
+    layer = DCMHA(**kwargs)
+    layer.load_spec_weights(case["params"])
+    _, cache = layer(x[:, :4], x[:, :4], use_causal_mask=True, cache=layer.init_cache(2, 6),
+                     cache_update_index=0)
+    _, ref_cache = reference.decode_step(case["params"], cfg, x[:, :4],
+                                         reference.init_cache(cfg, 2, 6), 0)
+    step = tf.function(lambda tok, cache, index: layer(
+        tok, tok, use_causal_mask=True, cache=cache, cache_update_index=index), autograph=False)
+    y, cache = step(ops.convert_to_tensor(x[:, 4:]), cache, ops.convert_to_tensor(np.int32(4)))
+    y_ref, ref_cache = reference.decode_step(case["params"], cfg, x[:, 4:], ref_cache, 4)
+    assert_close(y, y_ref)
+    for n, c in ref_cache.items():
+        assert_close(cache[n], c)
+    assert seen == [stacked]
+
+
 def _kernel_spy(monkeypatch):
     """(implementation, calls): the one-query path of this backend that runs its composes in
     the compiled kernel, and the list its kernel calls append to; a skip without one."""
