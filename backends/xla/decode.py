@@ -8,7 +8,9 @@ and P.V together. This implementation runs the plain core's one-query path
 (``dcmha.ops``: scores, both composes with the key-side terms in low-rank form,
 the masked softmax, P.V) as one ``tf.function(jit_compile=True)``: XLA fuses it
 into a few kernels. The composes take ``decode_compose``'s broadcast-product
-form, which XLA fuses on the cache's own (B, S, G, ...) layout. The arithmetic
+form, which XLA fuses on the cache's own (B, S, G, ...) layout; the key-side terms that
+the layer unstacked from the cache's stacked entries reach it as those entries, sliced
+inside XLA (``_stacked_entries``: the graph then runs no op to unstack them). The arithmetic
 and the masking rules are the plain core's (it is that code, compiled): masked
 probabilities are exactly 0, and a query that sees no key outputs 0.
 

@@ -175,18 +175,26 @@ def test_layer_steps_match_reference(reference_case, one_query_calls, call_layer
     assert len(one_query_calls) == (2 if BACKEND == "jax" else 3)
 
 
-def test_traced_layer_step_matches_reference(reference_case, one_query_calls):
-    """One step compiled as generate compiles it (jax.jit / tf.function; torch eager),
-    with the index a tensor: the one-query path runs inside the trace."""
-    kwargs = dict(num_heads=4, key_dim=8, rope_max_wavelength=100.0)
+def _prefilled(reference_case, kwargs):
+    """(case, layer, cache, reference cache) of a 5-token case whose first 4 tokens the
+    layer and the spec have prefilled into caches of 6 positions."""
     case = reference_case(kwargs, T=5)
-    cfg, x = case["cfg"], case["query"]
+    x = case["query"]
     layer = DCMHA(**kwargs)
     layer.load_spec_weights(case["params"])
     _, cache = layer(x[:, :4], x[:, :4], use_causal_mask=True, cache=layer.init_cache(2, 6),
                      cache_update_index=0)
-    _, ref_cache = reference.decode_step(case["params"], cfg, x[:, :4],
-                                         reference.init_cache(cfg, 2, 6), 0)
+    _, ref_cache = reference.decode_step(case["params"], case["cfg"], x[:, :4],
+                                         reference.init_cache(case["cfg"], 2, 6), 0)
+    return case, layer, cache, ref_cache
+
+
+def test_traced_layer_step_matches_reference(reference_case, one_query_calls):
+    """One step compiled as generate compiles it (jax.jit / tf.function; torch eager),
+    with the index a tensor: the one-query path runs inside the trace."""
+    case, layer, cache, ref_cache = _prefilled(
+        reference_case, dict(num_heads=4, key_dim=8, rope_max_wavelength=100.0))
+    cfg, x = case["cfg"], case["query"]
 
     def step(tok, cache, index):
         return layer(tok, tok, use_causal_mask=True, cache=cache, cache_update_index=index)
@@ -222,15 +230,9 @@ def test_tf_step_takes_the_stacked_cache_entries(reference_case, monkeypatch, na
         return out
     monkeypatch.setattr(decode, "_stacked_entries", spy)
     import tensorflow as tf
-    kwargs = dict(CONFIGS[name], rope_max_wavelength=100.0)
-    case = reference_case(kwargs, T=5)
+    case, layer, cache, ref_cache = _prefilled(
+        reference_case, dict(CONFIGS[name], rope_max_wavelength=100.0))
     cfg, x = case["cfg"], case["query"]
-    layer = DCMHA(**kwargs)
-    layer.load_spec_weights(case["params"])
-    _, cache = layer(x[:, :4], x[:, :4], use_causal_mask=True, cache=layer.init_cache(2, 6),
-                     cache_update_index=0)
-    _, ref_cache = reference.decode_step(case["params"], cfg, x[:, :4],
-                                         reference.init_cache(cfg, 2, 6), 0)
     step = tf.function(lambda tok, cache, index: layer(
         tok, tok, use_causal_mask=True, cache=cache, cache_update_index=index), autograph=False)
     y, cache = step(ops.convert_to_tensor(x[:, 4:]), cache, ops.convert_to_tensor(np.int32(4)))
