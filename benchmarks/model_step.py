@@ -31,6 +31,10 @@ full DCMHA (adding the low-rank projection and the pre stage), and forward again
 backward + optimizer. (``attention="mha"`` is DCMHA's own layer with both stages off,
 so the layer's projections and core are the same in every variant.)
 
+``--step-times`` also times each step (a batch-end callback; jax then waits for each step)
+and reports each variant's median, 90th-percentile and slowest single step, the spread
+within a round that the rounds' range hides.
+
 One process per Keras backend (Keras fixes its backend at import); ``--backends``
 starts them in turn. Run it on a quiet machine.
 
@@ -127,10 +131,12 @@ def flops(model, shape):
     return 3 * total
 
 
-def _fit_seconds(model, x, y, batch):
+def _fit_seconds(model, x, y, batch, steps=None):
     """(wall, process CPU) seconds of one ``fit`` over x, y, from the call to its
     ``on_train_end``: what ``fit`` does after it (TensorFlow tears down its data iterator
-    there, 120-300 ms of a call at random for either model) is not a training step's."""
+    there, 120-300 ms of a call at random for either model) is not a training step's.
+    ``steps``: a list that gets each step's wall seconds (a batch-end callback, which
+    makes jax wait for each step's results; off by default)."""
     import keras
 
     end = {}
@@ -139,8 +145,15 @@ def _fit_seconds(model, x, y, batch):
         def on_train_end(self, logs=None):
             end["wall"], end["cpu"] = time.perf_counter(), time.process_time()
 
+    class _Steps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            now = time.perf_counter()
+            steps.append(now - end.get("last", t0))
+            end["last"] = now
+
+    callbacks = [_End()] + ([_Steps()] if steps is not None else [])
     t0, c0 = time.perf_counter(), time.process_time()
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[_End()])
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     return end["wall"] - t0, end["cpu"] - c0
 
 
@@ -150,7 +163,7 @@ def _forward_seconds(model, x):
     return time.perf_counter() - t0
 
 
-def run_shape(shape, variants, repeats, steps, forward, jit_compile="auto"):
+def run_shape(shape, variants, repeats, steps, forward, jit_compile="auto", step_times=False):
     import numpy as np
 
     T, B = SHAPES[shape][3:]
@@ -173,9 +186,10 @@ def run_shape(shape, variants, repeats, steps, forward, jit_compile="auto"):
     step = {v: [] for v in variants}
     cpu = {v: [] for v in variants}
     fwd = {v: [] for v in variants}
+    each = {v: [] for v in variants}
     for _ in range(repeats):
         for v, m in models.items():
-            wall, used = _fit_seconds(m, x, y, B)
+            wall, used = _fit_seconds(m, x, y, B, each[v] if step_times else None)
             step[v].append(wall / steps)
             cpu[v].append(used / steps)
             if forward:
@@ -189,6 +203,9 @@ def run_shape(shape, variants, repeats, steps, forward, jit_compile="auto"):
                    parameters=int(sum(np.prod(w.shape) for w in models[v].trainable_variables)))
         if forward:
             row["forward_ms"] = 1e3 * float(np.median(fwd[v]))
+        if step_times:        # single steps: median, 90th percentile and slowest
+            row["single_step_ms"] = [1e3 * float(np.percentile(each[v], q))
+                                     for q in (50, 90, 100)]
         out[v] = row
     base = out["mha"]
     for v, row in out.items():
@@ -215,7 +232,7 @@ def child(args):
     result = dict(conditions=conditions(jit_compile), shapes={})
     for shape in shapes:
         result["shapes"][shape] = run_shape(shape, variants, args.repeats, args.steps,
-                                            args.breakdown, jit_compile)
+                                            args.breakdown, jit_compile, args.step_times)
         print(json.dumps({"shape": shape, **result["shapes"][shape]}), file=sys.stderr,
               flush=True)
     result["conditions"]["load_after"] = os.getloadavg()
@@ -239,10 +256,16 @@ def render(results):
                     f"{r['step_range_ms'][1]:.1f}) | {r['ratio']:.2f}x | "
                     f"{r['cpu_ratio']:.2f}x | {r['flop_ratio']:.2f}x | {fwd} | "
                     f"±{100 * r['spread']:.0f}% |")
+                if "single_step_ms" in r:
+                    lines[-1] += " single steps {:.1f} / {:.1f} / {:.1f} ms;".format(
+                        *r["single_step_ms"])
             if len(rows) == 2:
                 m = rows["mha"]
                 lines[-1] += f" mha {m['step_ms']:.1f} ms ({m['step_range_ms'][0]:.1f}-" \
-                             f"{m['step_range_ms'][1]:.1f})"
+                             f"{m['step_range_ms'][1]:.1f}, ±{100 * m['spread']:.0f}%)"
+                if "single_step_ms" in m:
+                    lines[-1] += ", single steps {:.1f} / {:.1f} / {:.1f} ms".format(
+                        *m["single_step_ms"])
     return "\n".join(lines)
 
 
@@ -263,6 +286,9 @@ def main(argv=None):
     p.add_argument("--jit-compile", default="auto", choices=list(JIT_COMPILE),
                    help="compile()'s jit_compile (default: Keras's own, 'auto'); 'true' on "
                         "tensorflow runs fit under XLA as Keras does with a GPU")
+    p.add_argument("--step-times", action="store_true",
+                   help="also time each step (a batch-end callback) and report the median, "
+                        "90th percentile and slowest single step of each variant")
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
@@ -279,6 +305,7 @@ def main(argv=None):
                str(args.repeats), "--steps", str(args.steps)] + \
             (["--breakdown"] if args.breakdown else []) + \
             (["--variants", args.variants] if args.variants else []) + \
+            (["--step-times"] if args.step_times else []) + \
             ["--jit-compile", args.jit_compile]
         env = dict(os.environ, KERAS_BACKEND=backend)
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
