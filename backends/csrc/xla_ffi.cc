@@ -227,9 +227,7 @@ static DcmhaStage stage(const float *&q, const int64_t *d, int64_t rq, F32 kw, F
     const auto &wd = kw.dimensions(), &dd = kd.dimensions();
     const int64_t rk = wd.size() == 6 ? wd[4] : 1;
     const int64_t w_slot = G * rk * M, d_slot = G * M;
-    const float *data[7] = {nullptr, nullptr, nullptr, nullptr,
-                            kw.typed_data() + iw * w_slot, kw.typed_data() + (iw + 1) * w_slot,
-                            kd.typed_data() + id * d_slot};
+    const float *data[7] = {nullptr};
     const int64_t bits[4] = {DCMHA_HAS_QW, DCMHA_HAS_QW, DCMHA_HAS_QDD, DCMHA_HAS_STATIC};
     const int64_t sizes[4] = {B * G * rq * M, B * G * rq * M, B * G * M, G * M * M};
     for (int i = 0; i < 4; i++)
@@ -237,15 +235,18 @@ static DcmhaStage stage(const float *&q, const int64_t *d, int64_t rq, F32 kw, F
             data[i] = q;
             q += sizes[i];
         }
-    DcmhaStage s = dcmha_stage(data, rq, rk, flags);
-    if (flags & DCMHA_HAS_KW) {
-        s.kw_row = wd[2] * w_slot;
+    if (flags & DCMHA_HAS_KW) {      /* pointers into kw only where it holds this stage's */
+        data[4] = kw.typed_data() + iw * w_slot;
+        data[5] = data[4] + w_slot;
         iw += 2;
     }
     if (flags & DCMHA_HAS_KDD) {
-        s.kd_row = dd[2] * d_slot;
+        data[6] = kd.typed_data() + id * d_slot;
         id += 1;
     }
+    DcmhaStage s = dcmha_stage(data, rq, rk, flags);
+    if (flags & DCMHA_HAS_KW) s.kw_row = wd[2] * w_slot;
+    if (flags & DCMHA_HAS_KDD) s.kd_row = dd[2] * d_slot;
     return s;
 }
 

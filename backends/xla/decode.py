@@ -67,9 +67,10 @@ def _unstacked_source(tensors):
 
 def _stacked_entries(pre, post):
     """(pre, post, entries): each group of ``_STACKED`` whose terms the graph unstacked
-    from one cache entry goes to the compiled step as that entry (its slices are taken
-    inside XLA, where they fuse into the composes), and its terms leave the stages.
-    Otherwise the ``Unpack`` op stays in the caller's graph, one op per entry and step."""
+    from one cache entry goes to the compiled step as (that entry, the stages that had the
+    group) (its slices are taken inside XLA, where they fuse into the composes), and its
+    terms leave the stages; a group left in the stages is None. Otherwise the ``Unpack``
+    op stays in the caller's graph, one op per entry and step."""
     stages, entries = (dict(pre), dict(post)), []
     for names in _STACKED:
         terms = [st[n] for st in stages for n in names if n in st]
@@ -77,22 +78,23 @@ def _stacked_entries(pre, post):
         if source is None:
             entries.append(None)
             continue
-        entries.append(source)
+        entries.append((source, tuple(i for i, st in enumerate(stages) if names[0] in st)))
         for st in stages:
             for n in names:
                 st.pop(n, None)
     return stages[0], stages[1], tuple(entries)
 
 
-def _restored(pre, post, entries, stacked):
+def _restored(pre, post, entries):
     """The stages with the terms of each stacked entry back (``_stacked_entries`` undone
-    inside the compiled step); ``stacked``: for each group, the stages that had it."""
+    inside the compiled step)."""
     import tensorflow as tf
     stages = (dict(pre), dict(post))
-    for names, entry, which in zip(_STACKED, entries, stacked):
+    for names, entry in zip(_STACKED, entries):
         if entry is None:
             continue
-        parts = iter(tf.unstack(entry, axis=2))
+        source, which = entry
+        parts = iter(tf.unstack(source, axis=2))
         for i in which:
             for n in names:
                 stages[i][n] = next(parts)
@@ -106,9 +108,8 @@ def _compiled_step():
         from dcmha.call import describe
         from dcmha import ops as dops
 
-        def step(q, k, v, pre, post, mask, offset, num_groups, causal, window, entries,
-                 stacked):
-            pre, post = _restored(pre, post, entries, stacked)
+        def step(q, k, v, pre, post, mask, offset, num_groups, causal, window, entries):
+            pre, post = _restored(pre, post, entries)
             call = describe(
                 q, k, v, num_groups=num_groups, pre=pre or None, post=post or None,
                 attention_mask=mask, use_causal_mask=causal, sliding_window=window,
@@ -133,10 +134,7 @@ def _one_query(call):
     import tensorflow as tf
     # The offset as a tensor: a new Python int must not compile a new program.
     offset = tf.cast(call.query_offset, tf.int32)
-    pre, post = dict(call.pre or {}), dict(call.post or {})
-    stacked = tuple(tuple(i for i, st in enumerate((pre, post)) if names[0] in st)
-                    for names in _STACKED)
-    pre, post, entries = _stacked_entries(pre, post)
+    pre, post, entries = _stacked_entries(call.pre or {}, call.post or {})
     return _compiled_step()(call.q, call.k, call.v, pre, post, call.attention_mask, offset,
                             call.num_groups, bool(call.use_causal_mask), call.sliding_window,
-                            entries, stacked)
+                            entries)
