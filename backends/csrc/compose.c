@@ -14,7 +14,7 @@
    Compiles on its own: cc -O3 -march=native -fopenmp-simd -std=c11 -shared -fPIC compose.c */
 #include <math.h>
 #include <stdint.h>
-#if defined(__F16C__) && defined(__AVX__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 #include <stdlib.h>
@@ -526,21 +526,51 @@ void dcmha_fill_args(Args *a, const int64_t *d, int64_t R, const float *x, const
     }
 }
 
-/* dst (B, G, rest, S) from src (B, S_b, G, rest) whose key positions lie `row` floats apart
-   (G * rest when contiguous; more for one slot's part of the decode cache's stacked entry),
-   batch b from position b * b_rows (b_rows = S_b >= S: the first S of each batch's). */
+#if defined(__AVX__)
+/* The 8 x 8 block at src (rows ss floats apart) transposed into dst (rows ds apart). */
+static inline void transpose8(const float *src, int64_t ss, float *dst, int64_t ds) {
+    __m256 r[8], t[8], u[8];
+    for (int k = 0; k < 8; k++) r[k] = _mm256_loadu_ps(src + k * ss);
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);       /* rows k, k+1: columns 0 1 | 4 5 */
+        t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);   /*              columns 2 3 | 6 7 */
+    }
+    for (int k = 0; k < 8; k += 4)
+        for (int h = 0; h < 2; h++) {                    /* four rows' column c | c + 4 */
+            u[k + 2 * h] = _mm256_shuffle_ps(t[k + h], t[k + h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+            u[k + 2 * h + 1] = _mm256_shuffle_ps(t[k + h], t[k + h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+    for (int c = 0; c < 4; c++) {
+        _mm256_storeu_ps(dst + c * ds, _mm256_permute2f128_ps(u[c], u[c + 4], 0x20));
+        _mm256_storeu_ps(dst + (c + 4) * ds, _mm256_permute2f128_ps(u[c], u[c + 4], 0x31));
+    }
+}
+#endif
+
+/* dst (B, G, rest, S) from src (B, S_b, G, rest) whose key positions lie `row_stride` floats
+   apart (G * rest when contiguous; more for one slot's part of the decode cache's stacked
+   entry), batch b from position b * b_rows (b_rows = S_b >= S: the first S of each batch's).
+   With AVX, 8 keys x 8 of the G * rest values at a time by an in-register transpose. */
 static void keys_last(const float *src, int64_t B, int64_t S, int64_t G, int64_t rest,
                       int64_t row_stride, int64_t b_rows, float *dst) {
-    for (int64_t b = 0; b < B; b++) {     /* dst's rows written in order, VL keys at a time */
+    const int64_t n = G * rest;
+#if defined(__AVX__)
+    const int64_t s8 = S - S % 8, n8 = n - n % 8;
+#else
+    const int64_t s8 = 0, n8 = 0;
+#endif
+    for (int64_t b = 0; b < B; b++) {
         const float *sb = src + b * b_rows * row_stride;
-        float *ob = dst + b * G * rest * S;
-        for (int64_t s0 = 0; s0 < S; s0 += VL) {
-            const int64_t n = S - s0 < VL ? S - s0 : VL;
-            for (int64_t i = 0; i < G * rest; i++) {
-                float *o = ob + i * S + s0;
-                const float *c = sb + s0 * row_stride + i;
-                for (int64_t j = 0; j < n; j++) o[j] = c[j * row_stride];
-            }
+        float *ob = dst + b * n * S;
+#if defined(__AVX__)
+        for (int64_t s0 = 0; s0 < s8; s0 += 8)
+            for (int64_t i0 = 0; i0 < n8; i0 += 8)
+                transpose8(sb + s0 * row_stride + i0, row_stride, ob + i0 * S + s0, S);
+#endif
+        for (int64_t i = 0; i < n; i++) {        /* what the blocks leave: scalar copies */
+            const float *c = sb + i;
+            float *o = ob + i * S;
+            for (int64_t s = i < n8 ? s8 : 0; s < S; s++) o[s] = c[s * row_stride];
         }
     }
 }

@@ -335,23 +335,27 @@ def test_jax_decode_probs_and_gradient_are_the_plain_forms(reference_case, mask_
 
 @pytest.mark.skipif(BACKEND != "jax", reason="the jax_decode kernel (jax.ffi)")
 @pytest.mark.parametrize("stages_with_keys", [("pre", "post"), ("post",)])
-def test_jax_kernel_reads_the_stacked_cache_entries_in_place(reference_case, stages_with_keys):
+@pytest.mark.parametrize("heads, groups, S", [(4, 2, 7), (8, 1, 21)])
+def test_jax_kernel_reads_the_stacked_cache_entries_in_place(reference_case, stages_with_keys,
+                                                              heads, groups, S):
     """Compiled, the kernel's call takes the cache's stacked key-side entries themselves:
     the terms unpacked from them are stacked back in the cache's order, which XLA folds
     into the entry, so the program slices nothing; the probabilities are the plain form's,
-    with one stage or both holding key-side terms."""
+    with one stage or both holding key-side terms. S = 21 and G R M = 16 reach the kernel's
+    8 x 8 transposes of the terms and their tails."""
     kernel = _jax_kernel()
     import jax
     import jax.numpy as jnp
 
     from dcmha.spec import terms as spec_terms
-    kwargs = dict(num_heads=4, key_dim=8, num_groups=2, static_compose=True)
-    *_, terms, _ = _core_case(reference_case, kwargs, 4, 7)
+    kwargs = dict(num_heads=heads, key_dim=8, num_groups=groups, static_compose=True)
+    *_, terms, _ = _core_case(reference_case, kwargs, 4, S)
     slots = [f"{st}_key" for st in stages_with_keys]
     kdyn = {f"{st}_key": {n[1:]: jnp.asarray(w) for n, w in terms[st].items()
                           if n.startswith("k")} for st in stages_with_keys}
     entries = spec_terms.pack_key_weights(kdyn, slots, stack=jnp.stack)
-    x = jnp.asarray(np.random.default_rng(6).normal(size=(2, 2, 2, 7)) * 3, jnp.float32)
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(2, groups, heads // groups, S)) * 3,
+                    jnp.float32)
 
     def stages(entries):
         views = spec_terms.unpack_key_weights(
@@ -362,21 +366,25 @@ def test_jax_kernel_reads_the_stacked_cache_entries_in_place(reference_case, sta
 
     def probs(entries):
         st = stages(entries)
-        return kernel.decode_probs(x, None, st["pre"], st["post"], 2)
+        return kernel.decode_probs(x, None, st["pre"], st["post"], heads // groups)
     compiled = jax.jit(probs).lower(entries).compile()
     hlo = compiled.as_text()
     assert "custom-call" in hlo
     assert not [line for line in hlo.splitlines() if " slice(" in line or "gather(" in line]
     st = stages(entries)
-    assert_close(compiled(entries), dops.one_query_probs(x, None, st["pre"], st["post"], 2))
+    assert_close(compiled(entries),
+                 dops.one_query_probs(x, None, st["pre"], st["post"], heads // groups))
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="the torch_decode kernel call (ctypes)")
 @pytest.mark.parametrize("B", [1, 2])
-def test_torch_kernel_reads_the_stacked_cache_entries_in_place(reference_case, B):
+@pytest.mark.parametrize("heads, groups, S", [(4, 2, 7), (4, 2, 21), (8, 1, 21)])
+def test_torch_kernel_reads_the_stacked_cache_entries_in_place(reference_case, B, heads, groups,
+                                                                S):
     """The kernel reads each slot's key-side terms as views into the cache's stacked
     entries (``cpu_kernel.decode_terms`` keeps them, ``key_row`` gives their stride): the
-    probabilities are those of contiguous copies and of ``dcmha.ops.one_query_probs``."""
+    probabilities are those of contiguous copies and of ``dcmha.ops.one_query_probs``.
+    S = 21 and G R M = 16 reach the kernel's 8 x 8 transposes of the terms and their tails."""
     import torch
 
     from dcmha.backends import cpu_kernel
@@ -384,8 +392,8 @@ def test_torch_kernel_reads_the_stacked_cache_entries_in_place(reference_case, B
     lib = cpu_kernel.load()
     if lib is None:
         pytest.skip(f"no compiled kernel: {cpu_kernel.unavailable_reason()}")
-    kwargs = dict(num_heads=4, key_dim=8, num_groups=2, static_compose=True)
-    *_, terms, _ = _core_case(reference_case, kwargs, 4, 7)
+    kwargs = dict(num_heads=heads, key_dim=8, num_groups=groups, static_compose=True)
+    *_, terms, _ = _core_case(reference_case, kwargs, 4, S)
     terms = {st: {n: w[:B] if w.ndim > 3 else w for n, w in tm.items()}     # case's B = 2
              for st, tm in terms.items()}
     kdyn = {f"{st}_key": {n[1:]: torch.as_tensor(w) for n, w in tm.items()
@@ -398,9 +406,9 @@ def test_torch_kernel_reads_the_stacked_cache_entries_in_place(reference_case, B
     assert not stages["pre"]["kw1"].is_contiguous()
     kept = cpu_kernel.decode_terms(stages["pre"])
     assert kept["kw1"].data_ptr() == stages["pre"]["kw1"].data_ptr()          # no copy
-    assert cpu_kernel.key_row(kept["kw1"]) == 4 * 2 * 2 * 2      # 2 C_k slices of (G, R, M)
-    x = torch.as_tensor(np.random.default_rng(6).normal(size=(B, 2, 2, 7)) * 3,
-                        dtype=torch.float32)
+    assert cpu_kernel.key_row(kept["kw1"]) == 4 * 2 * heads      # 2 C_k slices of (G, R, M)
+    shape = (B, groups, heads // groups, S)
+    x = torch.as_tensor(np.random.default_rng(6).normal(size=shape) * 3, dtype=torch.float32)
 
     def probs(st):
         return cpu_kernel.decode_probs(lib, x, torch.empty_like(x), None,
@@ -410,7 +418,8 @@ def test_torch_kernel_reads_the_stacked_cache_entries_in_place(reference_case, B
     got = probs(stages)
     copies = {st: {n: w.contiguous() for n, w in tm.items()} for st, tm in stages.items()}
     np.testing.assert_array_equal(got.numpy(), probs(copies).numpy())
-    assert_close(got, dops.one_query_probs(x, None, stages["pre"], stages["post"], 2))
+    assert_close(got, dops.one_query_probs(x, None, stages["pre"], stages["post"],
+                                           heads // groups))
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch_decode's gradient rule")
