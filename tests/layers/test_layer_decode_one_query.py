@@ -354,8 +354,8 @@ def test_jax_kernel_reads_the_stacked_cache_entries_in_place(reference_case, sta
     kdyn = {f"{st}_key": {n[1:]: jnp.asarray(w) for n, w in terms[st].items()
                           if n.startswith("k")} for st in stages_with_keys}
     entries = spec_terms.pack_key_weights(kdyn, slots, stack=jnp.stack)
-    x = jnp.asarray(np.random.default_rng(6).normal(size=(2, groups, heads // groups, S)) * 3,
-                    jnp.float32)
+    M = heads // groups
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(2, groups, M, S)) * 3, jnp.float32)
 
     def stages(entries):
         views = spec_terms.unpack_key_weights(
@@ -366,14 +366,13 @@ def test_jax_kernel_reads_the_stacked_cache_entries_in_place(reference_case, sta
 
     def probs(entries):
         st = stages(entries)
-        return kernel.decode_probs(x, None, st["pre"], st["post"], heads // groups)
+        return kernel.decode_probs(x, None, st["pre"], st["post"], M)
     compiled = jax.jit(probs).lower(entries).compile()
     hlo = compiled.as_text()
     assert "custom-call" in hlo
     assert not [line for line in hlo.splitlines() if " slice(" in line or "gather(" in line]
     st = stages(entries)
-    assert_close(compiled(entries),
-                 dops.one_query_probs(x, None, st["pre"], st["post"], heads // groups))
+    assert_close(compiled(entries), dops.one_query_probs(x, None, st["pre"], st["post"], M))
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="the torch_decode kernel call (ctypes)")
@@ -407,8 +406,9 @@ def test_torch_kernel_reads_the_stacked_cache_entries_in_place(reference_case, B
     kept = cpu_kernel.decode_terms(stages["pre"])
     assert kept["kw1"].data_ptr() == stages["pre"]["kw1"].data_ptr()          # no copy
     assert cpu_kernel.key_row(kept["kw1"]) == 4 * 2 * heads      # 2 C_k slices of (G, R, M)
-    shape = (B, groups, heads // groups, S)
-    x = torch.as_tensor(np.random.default_rng(6).normal(size=shape) * 3, dtype=torch.float32)
+    M = heads // groups
+    x = torch.as_tensor(np.random.default_rng(6).normal(size=(B, groups, M, S)) * 3,
+                        dtype=torch.float32)
 
     def probs(st):
         return cpu_kernel.decode_probs(lib, x, torch.empty_like(x), None,
@@ -418,8 +418,7 @@ def test_torch_kernel_reads_the_stacked_cache_entries_in_place(reference_case, B
     got = probs(stages)
     copies = {st: {n: w.contiguous() for n, w in tm.items()} for st, tm in stages.items()}
     np.testing.assert_array_equal(got.numpy(), probs(copies).numpy())
-    assert_close(got, dops.one_query_probs(x, None, stages["pre"], stages["post"],
-                                           heads // groups))
+    assert_close(got, dops.one_query_probs(x, None, stages["pre"], stages["post"], M))
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch_decode's gradient rule")
