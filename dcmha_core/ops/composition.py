@@ -292,8 +292,8 @@ def slot_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
     The form for a framework that runs ops one by one (``dcmha.framework.compiles_ops()``
     False: TensorFlow's graph executor): x . dw1 and x . dd are one matrix product each
     whose columns are ordered slot-major, split on their last axis, and each slot's w1
-    and w2 are one product of its hidden vector with its half of qkw, so no activation is
-    sliced on an inner axis or transposed. There the einsums' transposes and the slices'
+    and w2 are one product of its hidden vector with its part of qkw, split on its last
+    axis, so no activation is sliced or transposed. There the einsums' transposes and the slices'
     gradients of the stacked form cost more than its arithmetic; XLA fuses them away and
     runs the stacked form faster (``benchmarks/RESULTS.md``, "A model's training step")."""
     x = as_dtype(x, "float32")
@@ -304,26 +304,29 @@ def slot_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
         return ops.reshape(ops.transpose(as_dtype(w, "float32"), (0, 2, 1, 3)), (D, C * G * n))
 
     def per_slot(y, G, n):
-        """y (B, L, C * G * n) -> C arrays (B, L, G, n)."""
-        return [ops.reshape(part, (*ops.shape(part)[:2], G, n))
-                for part in ops.split(y, C, axis=-1)]
+        """y (B, L, C * G * n) -> C arrays (B, L, G, n) ((B, L, n) where G is None)."""
+        parts = ops.split(y, C, axis=-1)
+        return parts if G is None else [ops.reshape(p, (*ops.shape(p)[:2], G, n))
+                                        for p in parts]
 
     out = {}
     if dw1 is not None:
         _, G, _, K = dw1.shape
         M = qkw.shape[-1]
+        RM = rank * M
         h = ops.gelu(ops.matmul(x, slot_major(dw1, G, C, K)), approximate=gelu_approximate)
-        qkw = as_dtype(qkw, "float32")
         w1s, w2s = [], []
-        for c, hc in enumerate(per_slot(h, G, K)):        # hc (B, L, G, K)
-            for half, dst in ((qkw[:, c, :, :rank], w1s), (qkw[:, c, :, rank:], w2s)):
-                # (G, K, R, M): one (K, R*M) product per group
-                flat = ops.reshape(half, (G, K, rank * M))
-                # Not ops.shape of a (B, L, K) . (K, n) ops.matmul's product itself: Keras's
-                # tensorflow ONNX export (tf2onnx) gives it as (B L, n) when L is free.
-                w = (ops.matmul(hc[:, :, 0], flat[0])[:, :, None] if G == 1
-                     else ops.einsum("blgk,gkn->blgn", hc, flat))
-                dst.append(ops.reshape(w, (*ops.shape(w)[:3], rank, M)))
+        # Each slot's hidden vector times its (G, K, 2R M) part of qkw, one product, whose
+        # columns split into w1 (its first R M) and w2; with G = 1 the products are 2-D.
+        for hc, qc in zip(per_slot(h, None if G == 1 else G, K),
+                          ops.unstack(as_dtype(qkw, "float32"), C, axis=1)):
+            flat = ops.reshape(qc, (K, 2 * RM) if G == 1 else (G, K, 2 * RM))
+            w = (ops.matmul(hc, flat) if G == 1 else ops.einsum("blgk,gkn->blgn", hc, flat))
+            # The lead shape from hc, not from ops.shape of the (B, L, K) . (K, n) product:
+            # Keras's tensorflow ONNX export (tf2onnx) gives that as (B L, n) when L is free.
+            lead = (*ops.shape(hc)[:2], G)
+            for half, dst in zip(ops.split(w, 2, axis=-1), (w1s, w2s)):
+                dst.append(ops.reshape(half, (*lead, rank, M)))
         out["w1"] = [rms_normalize(w, W1_NORM_EPS) for w in w1s]
         out["w2"] = w2s
     if dd is not None:
