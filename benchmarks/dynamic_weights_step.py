@@ -109,9 +109,10 @@ def main(argv=None) -> int:
                 call()
                 times[n].append(time.perf_counter() - t)
         med = {n: float(np.median(t)) * 1e3 for n, t in times.items()}
-        print(f"{backend} {shape} (B, T, D) = {(B, T, D)}: {args.against} {med['against']:.3f} ms, "
-              f"current {med['current']:.3f} ms, current / {args.against} "
-              f"{med['current'] / med['against']:.3f}; largest gradient difference "
+        print(f"{backend} {shape} (B, T, D) = {(B, T, D)}: {args.against} "
+              f"{med['against']:.3f} ms, current {med['current']:.3f} ms, "
+              f"current / {args.against} {med['current'] / med['against']:.3f}; "
+              f"largest gradient difference "
               f"{diff:.1e} (relative to the largest gradient)")
     return 0
 
