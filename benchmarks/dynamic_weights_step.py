@@ -1,13 +1,13 @@
-"""A training step's dynamic weights on a framework that runs ops one by one: the forward and
-backward of ``dcmha.ops.slot_dynamic_weights`` (TensorFlow's graph executor, eager PyTorch),
-against the same function at another revision.
+"""A tensorflow training step's dynamic weights: the forward and backward of
+``dcmha.ops.slot_dynamic_weights`` (the form of TensorFlow's graphs without XLA, where ops
+run one by one) against the same function at another revision.
 
-    KERAS_BACKEND=tensorflow|torch python benchmarks/dynamic_weights_step.py --against REV
-        [--shapes small,medium] [--calls 300]
+    python benchmarks/dynamic_weights_step.py --against REV [--shapes small,medium]
+        [--calls 300]
 
-One process. ``--against`` reads ``dcmha_core/ops/composition.py`` at git revision REV and
-runs its ``slot_dynamic_weights`` in this package's namespace; the two alternate call by
-call (a ``tf.function`` each on TensorFlow), and the medians of ``--calls`` calls are
+One process, Keras on TensorFlow. ``--against`` reads ``dcmha_core/ops/composition.py`` at
+git revision REV and runs its ``slot_dynamic_weights`` in this package's namespace; the two
+(a ``tf.function`` each) alternate call by call, and the medians of ``--calls`` calls are
 printed with their ratio, after the largest difference of their gradients. The loss is the
 sum of the squared weights; the gradients are w.r.t. x, dw1, qkw and dd. Shapes are
 ``model_step.py``'s (B, T, D) with one group of 8 heads, R = 2, the four slots. Figures:
@@ -47,27 +47,19 @@ def revision_function(rev):
     return namespace["slot_dynamic_weights"]
 
 
-def step(fn, arrays, backend):
-    """A call computing fn's weights and their gradients (a ``tf.function`` on TensorFlow)."""
+def step(fn, arrays):
+    """A ``tf.function`` computing fn's weights and their gradients."""
+    import tensorflow as tf
     from keras import ops
+    variables = [tf.Variable(a) for a in arrays]
 
-    def loss(*args):
-        out = fn(*args, C=C, rank=R, gelu_approximate=True)
-        return sum(ops.sum(a * a) for parts in out.values() for a in parts)
-
-    if backend == "tensorflow":
-        import tensorflow as tf
-        variables = [tf.Variable(a) for a in arrays]
-
-        @tf.function
-        def call():
-            with tf.GradientTape() as tape:
-                value = loss(*variables)
-            return tape.gradient(value, variables)
-        return call
-    import torch
-    tensors = [torch.tensor(a, requires_grad=True) for a in arrays]
-    return lambda: torch.autograd.grad(loss(*tensors), tensors)
+    @tf.function
+    def call():
+        with tf.GradientTape() as tape:
+            out = fn(*variables, C=C, rank=R, gelu_approximate=True)
+            value = sum(ops.sum(a * a) for parts in out.values() for a in parts)
+        return tape.gradient(value, variables)
+    return call
 
 
 def main(argv=None) -> int:
@@ -80,12 +72,13 @@ def main(argv=None) -> int:
     if not set(shapes) <= set(SHAPES) or args.calls < 1:
         ap.error(f"--shapes from {sorted(SHAPES)}, --calls >= 1. Received: {args.shapes}, "
                  f"{args.calls}")
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras
 
     from dcmha.ops import composition
-    backend = keras.backend.backend()
-    if backend not in ("tensorflow", "torch"):
-        ap.error(f"runs on the tensorflow or torch backend (KERAS_BACKEND). Received: {backend}")
+    if keras.backend.backend() != "tensorflow":
+        ap.error("runs on Keras's tensorflow backend (KERAS_BACKEND). Received: "
+                 f"{keras.backend.backend()}")
     other = revision_function(args.against)
     for shape in shapes:
         B, T, D = SHAPES[shape]
@@ -94,8 +87,8 @@ def main(argv=None) -> int:
         arrays = [rng.normal(size=s).astype("float32") * f for s, f in (
             ((B, T, D), 1.0), ((D, G, C, K), 0.1), ((G, C, K, 2 * R, M), 0.1),
             ((D, G, C * M), 0.1))]
-        calls = {"against": step(other, arrays, backend),
-                 "current": step(composition.slot_dynamic_weights, arrays, backend)}
+        calls = {"against": step(other, arrays),
+                 "current": step(composition.slot_dynamic_weights, arrays)}
         grads = {n: [np.asarray(g) for g in call()] for n, call in calls.items()}
         diff = max(float(np.max(np.abs(a - b)) / max(1.0, float(np.max(np.abs(a)))))
                    for a, b in zip(grads["against"], grads["current"]))
@@ -109,7 +102,7 @@ def main(argv=None) -> int:
                 call()
                 times[n].append(time.perf_counter() - t)
         med = {n: float(np.median(t)) * 1e3 for n, t in times.items()}
-        print(f"{backend} {shape} (B, T, D) = {(B, T, D)}: {args.against} "
+        print(f"{shape} (B, T, D) = {(B, T, D)}: {args.against} "
               f"{med['against']:.3f} ms, current {med['current']:.3f} ms, "
               f"current / {args.against} {med['current'] / med['against']:.3f}; "
               f"largest gradient difference "
