@@ -10,7 +10,7 @@ git revision REV and runs its ``slot_dynamic_weights`` in this package's namespa
 (a ``tf.function`` each) alternate call by call, and the medians of ``--calls`` calls are
 printed with their ratio, after the largest difference of their gradients. The loss is the
 sum of the squared weights; the gradients are w.r.t. x, dw1, qkw and dd. Shapes are
-``model_step.py``'s (B, T, D) with one group of 8 heads, R = 2, the four slots. Figures:
+``model_step.py``'s (B, T, D and heads, in one group), R = 2, the four slots. Figures:
 benchmarks/RESULTS.md ("A model's training step").
 """
 
@@ -27,9 +27,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-#: name -> (B, T, D), as model_step.py's shapes.
-SHAPES = {"small": (16, 64, 64), "medium": (8, 256, 256), "large": (4, 512, 512)}
-C, G, R, M = 4, 1, 2, 8
+from model_step import SHAPES  # noqa: E402
+
+C, G, R = 4, 1, 2
 
 
 def revision_function(rev):
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
                  f"{keras.backend.backend()}")
     other = revision_function(args.against)
     for shape in shapes:
-        B, T, D = SHAPES[shape]
+        _, D, M, T, B = SHAPES[shape]          # layers, width, heads, T, B
         K = 2 * R * M
         rng = np.random.default_rng(0)
         arrays = [rng.normal(size=s).astype("float32") * f for s, f in (

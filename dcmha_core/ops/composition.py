@@ -290,13 +290,13 @@ def slot_dynamic_weights(x, dw1, qkw, dd, *, C, rank, gelu_approximate):
     arrays (B, L, G, R, M)], "dd": [C arrays (B, L, G, M)]} (those present).
 
     The form for a framework that runs ops one by one (``dcmha.framework.compiles_ops()``
-    False: TensorFlow's graph executor): x . dw1 and x . dd are one matrix
-    product each whose columns are ordered slot-major, split on their last axis, and each
-    slot's w1 and w2 are one product of its hidden vector with its part of qkw, split on
-    its last axis, so no activation is sliced or transposed. There the einsums' transposes
-    and the slices' gradients of the stacked form cost more than its arithmetic; XLA fuses
-    them away and runs the stacked form faster (``benchmarks/RESULTS.md``, "A model's
-    training step")."""
+    False: TensorFlow's graph executor): x . dw1 and x . dd are one matrix product each
+    whose columns are ordered slot-major, split on their last axis, and each slot's w1
+    and w2 are one product of its hidden vector with its part of qkw, split on its last
+    axis, so no activation is sliced or transposed. There the einsums' transposes and the
+    slices' gradients of the stacked form cost more than its arithmetic; XLA fuses them
+    away and runs the stacked form faster (``benchmarks/RESULTS.md``, "A model's training
+    step")."""
     x = as_dtype(x, "float32")
     D = x.shape[-1]
 
